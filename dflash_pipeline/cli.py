@@ -1,0 +1,115 @@
+"""The `dflash` command line. Parsing only: every command calls a plain library function.
+
+Heavy imports (torch, transformers, zarr) happen inside the commands so `dflash --help` is instant.
+A user's mistake (DFlashError) is printed as one line on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train DFlash speculative-decoding drafters from an offline feature store.")
+store_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect and check a feature store.")
+app.add_typer(store_app, name="store")
+
+
+def user_errors(fn):
+    """Turn the library's user-facing errors into one line and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from dflash_pipeline.errors import DFlashError
+
+        try:
+            return fn(*args, **kwargs)
+        except DFlashError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _quiet_zarr_warnings() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*not part of the Zarr format 3 specification.*")
+
+
+@store_app.command("stats")
+@user_errors
+def store_stats(
+    store: str = typer.Argument(..., help="Store path or URL (s3://, gs://, memory://)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of the length histogram and layer scales."),
+    sample: int = typer.Option(256, "--sample", help="Read at most this many segments' markers for sizes and statistics (0: all)."),
+):
+    """Samples, tokens, sizes, compression, codec error, per-layer statistics, top-k mass, lengths."""
+    _quiet_zarr_warnings()
+    from rich.console import Console
+
+    from dflash_pipeline.store.stats import compute_stats, plot_stats, render_stats
+
+    s = compute_stats(store, sample=sample or None)
+    if plot:
+        plot_stats(s, plot)
+    if json_out:
+        print(json.dumps(s, default=float))
+    else:
+        render_stats(s, Console())
+        if plot:
+            print(f"plot written to {plot}")
+
+
+@store_app.command("verify")
+@user_errors
+def store_verify(
+    store: str = typer.Argument(..., help="Store path or URL."),
+    repair: bool = typer.Option(False, "--repair", help="Remove incomplete (uncommitted) segments and rebuild the manifest."),
+    drop_corrupt: bool = typer.Option(False, "--drop-corrupt", help="With --repair: also remove corrupt committed segments, by name, so that extraction redoes them."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+    threads: int = typer.Option(8, "--threads", help="Segments checked in parallel."),
+):
+    """Check every committed segment's shapes and checksums; exit 1 if any is corrupt."""
+    _quiet_zarr_warnings()
+    from dflash_pipeline.store.verify import verify_store
+
+    if drop_corrupt and not repair:
+        raise typer.BadParameter("--drop-corrupt only acts together with --repair")
+    rep = verify_store(store, repair=repair, drop_corrupt=drop_corrupt, threads=threads)
+    if json_out:
+        print(json.dumps(rep.to_dict()))
+    else:
+        print(f"{store}: checked {rep.checked} committed segments")
+        for seg, array, reason in rep.corrupt:
+            print(f"  CORRUPT segment {seg:08d} array '{array}': {reason}")
+        if rep.incomplete:
+            print(f"  incomplete (uncommitted, invisible to readers): {len(rep.incomplete)} segments: "
+                  + ", ".join(f"{s:08d}" for s in rep.incomplete[:20]) + (" ..." if len(rep.incomplete) > 20 else ""))
+        if rep.manifest_problem:
+            print(f"  {rep.manifest_problem}")
+        if rep.target_problem:
+            print(f"  target: {rep.target_problem}")
+        if rep.removed_incomplete:
+            print(f"  removed {len(rep.removed_incomplete)} incomplete segments")
+        for seg in rep.dropped_corrupt:
+            print(f"  removed corrupt segment {seg:08d} (re-run `dflash extract` to redo it)")
+        if rep.manifest_rebuilt:
+            print("  manifest rebuilt")
+        if rep.corrupt and not rep.dropped_corrupt:
+            print("  corrupt segments are kept; `--repair --drop-corrupt` removes them so that extraction redoes them")
+        print("OK" if rep.ok else "FAILED")
+    if rep.target_problem or (rep.corrupt and not rep.dropped_corrupt):
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover
+    app()
