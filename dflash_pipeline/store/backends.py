@@ -62,8 +62,9 @@ def _object_store(url: str):
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             kwargs["region"] = region
-        return obs_store.S3Store.from_env(bucket, prefix=prefix or None, **kwargs)
-    return obs_store.GCSStore.from_env(bucket, prefix=prefix or None)
+        # The constructor also reads the AWS_* variables itself (credentials, session token).
+        return obs_store.S3Store(bucket, prefix=prefix or None, **kwargs)
+    return obs_store.GCSStore(bucket, prefix=prefix or None)
 
 
 def open_zarr_store(url: str, *, read_only: bool):

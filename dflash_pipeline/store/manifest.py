@@ -80,6 +80,13 @@ def rebuild_manifest(kv: KV, commits: dict[int, dict[str, Any]] | None = None):
     return table
 
 
+def rebuild_manifest_at(url: str):
+    """Rebuild the manifest of the store at `url` (opened for writing)."""
+    from dflash_pipeline.store.backends import open_zarr_store
+
+    return rebuild_manifest(KV(open_zarr_store(url, read_only=False)))
+
+
 def read_manifest(kv: KV):
     """The manifest table, or None if the store has none yet."""
     import pyarrow.parquet as pq

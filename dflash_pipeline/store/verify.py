@@ -17,6 +17,7 @@ import numpy as np
 
 from dflash_pipeline.errors import CorruptSegmentError, StoreError
 from dflash_pipeline.schemas.store import commit_key, segment_path
+from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.manifest import committed_segments, read_manifest, rebuild_manifest
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.store.stats import _incomplete
@@ -106,15 +107,16 @@ def verify_store(url: str, *, repair: bool = False, drop_corrupt: bool = False, 
                     report.target_problem = str(e)
 
     if repair:
+        kv = KV(open_zarr_store(url, read_only=False))
         for seg in report.incomplete:
-            reader.kv.delete_prefix(segment_path(seg))
+            kv.delete_prefix(segment_path(seg))
             report.removed_incomplete.append(seg)
         if drop_corrupt:
             for seg in sorted({s for s, _, _ in report.corrupt}):
-                reader.kv.delete(commit_key(seg))  # uncommit first: a crash here leaves it incomplete
-                reader.kv.delete_prefix(segment_path(seg))
+                kv.delete(commit_key(seg))  # uncommit first: a crash here leaves it incomplete
+                kv.delete_prefix(segment_path(seg))
                 report.dropped_corrupt.append(seg)
         if report.manifest_problem or report.removed_incomplete or report.dropped_corrupt:
-            rebuild_manifest(reader.kv)
+            rebuild_manifest(kv)
             report.manifest_rebuilt = True
     return report

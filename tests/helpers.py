@@ -1,0 +1,58 @@
+"""Builders shared by the tests: small stores of random features with a known reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
+from dflash_pipeline.store.manifest import rebuild_manifest
+from dflash_pipeline.store.writer import SegmentBuilder, StoreWriter
+
+
+def make_meta(codec: str = "bf16", layer_ids=(1, 3, 5), hidden: int = 64, vocab: int = 100, topk: int = 4,
+              num_layers: int = 8) -> StoreMeta:
+    return StoreMeta(
+        target=TargetInfo("random-target", "cfg0", num_layers, hidden, vocab, "bfloat16", "LlamaForCausalLM"),
+        tokenizer=TokenizerInfo("tok0", vocab, ""),
+        layer_ids=list(layer_ids), topk=topk, codec=codec, data_fingerprint="data0",
+    )
+
+
+def random_sample(g: torch.Generator, T: int, L: int, H: int, V: int, K: int):
+    tokens = torch.randint(0, V, (T,), generator=g).numpy().astype(np.int32)
+    mask = (torch.rand(T, generator=g) > 0.3).numpy()
+    hidden = (torch.randn(T, L, H, generator=g) * torch.linspace(0.5, 8, L)[None, :, None]).bfloat16()
+    logits = torch.randn(T, V, generator=g)
+    lp = torch.log_softmax(logits, -1)
+    top = lp.topk(K, dim=-1) if K else None
+    ids = top.indices.numpy().astype(np.int32) if K else np.zeros((T, 0), np.int32)
+    lps = top.values.numpy().astype(np.float16) if K else np.zeros((T, 0), np.float16)
+    return tokens, mask, hidden, ids, lps
+
+
+def write_random_store(url: str, *, codec: str = "bf16", segments: int = 3, samples_per_segment: int = 4,
+                       hidden: int = 64, layer_ids=(1, 3, 5), vocab: int = 100, topk: int = 4, seed: int = 0,
+                       min_len: int = 20, max_len: int = 90, with_target: bool = True, manifest: bool = True,
+                       segment_ids=None):
+    """Write a store of random samples; returns {sample_id: (tokens, mask, hidden, ids, logprobs)}."""
+    meta = make_meta(codec, layer_ids, hidden, vocab, topk)
+    writer = StoreWriter(url, meta)
+    g = torch.Generator().manual_seed(seed)
+    ref = {}
+    if with_target:
+        writer.write_target({"embed": torch.randn(vocab, hidden, generator=g).bfloat16(),
+                             "final_norm": torch.ones(hidden)},
+                            {"model_type": "llama", "hidden_size": hidden}, {"tokenizer_config.json": b"{}"})
+    for seg in (segment_ids if segment_ids is not None else range(segments)):
+        b = SegmentBuilder(writer, seg)
+        for i in range(samples_per_segment):
+            sid = seg * 1000 + i
+            T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+            s = random_sample(g, T, len(layer_ids), hidden, vocab, topk)
+            b.add(sid, *s)
+            ref[sid] = s
+        b.commit()
+    if manifest:
+        rebuild_manifest(writer.kv)
+    return ref

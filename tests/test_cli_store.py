@@ -1,0 +1,153 @@
+"""`dflash store stats|verify` and their answers to bad input: one line, non-zero exit, nothing touched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_pipeline.cli import app
+from helpers import write_random_store
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+runner = CliRunner()
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def store(tmp_path):
+    url = str(tmp_path / "store")
+    write_random_store(url, codec="fp8", segments=3, samples_per_segment=4)
+    return tmp_path / "store"
+
+
+def _run(*args):
+    res = runner.invoke(app, list(args))
+    return res.exit_code, res.stdout, res.stderr
+
+
+def test_stats_json_has_the_documented_keys(store, tmp_path):
+    code, out, err = _run("store", "stats", str(store), "--json", "--plot", str(tmp_path / "p.png"))
+    assert code == 0, err
+    s = json.loads(out.strip().splitlines()[-1])
+    for key in ("samples", "tokens", "supervised_tokens", "segments_committed", "segments_incomplete",
+                "bytes_on_disk", "bytes_per_token", "compression_ratio", "codec", "layer_ids", "topk",
+                "topk_mass_mean", "nonfinite_values"):
+        assert key in s, key
+    assert s["samples"] == 12 and s["segments_committed"] == 3 and s["codec"] == "fp8"
+    assert s["layer_ids"] == [1, 3, 5] and s["topk"] == 4
+    assert 1.5 < s["compression_ratio"] < 4          # fp8 + zstd of random normals
+    assert 0.005 < s["codec_rel_rmse"] < 0.04
+    assert 0 < s["topk_mass_mean"] < 1
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    # the per-layer scale of the random features grows with the layer
+    stds = [l["std"] for l in s["layers"]]
+    assert stds == sorted(stds)
+
+
+def test_stats_table_and_sampling(store):
+    code, out, _ = _run("store", "stats", str(store), "--sample", "2")
+    assert code == 0
+    assert "random sample of 2 of 3 segments" in out
+    assert "hidden states per layer" in out and "sample lengths" in out
+
+
+def test_verify_clean_store(store):
+    before = _snapshot(store)
+    code, out, _ = _run("store", "verify", str(store))
+    assert code == 0 and "OK" in out
+    assert _snapshot(store) == before
+
+
+def _one_line_error(code, out, err, *needles):
+    assert code != 0
+    lines = [l for l in err.strip().splitlines() if l]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert "Traceback" not in out + err
+
+
+def test_not_a_store(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _one_line_error(*_run("store", "stats", str(tmp_path / "empty")), "not a dflash store", "empty")
+    _one_line_error(*_run("store", "verify", str(tmp_path / "nowhere")), "no such store", "nowhere")
+
+
+def test_newer_format(store):
+    doc = json.loads((store / "zarr.json").read_text())
+    doc["attributes"]["dflash"]["format_version"] = 2
+    (store / "zarr.json").write_text(json.dumps(doc))
+    before = _snapshot(store)
+    _one_line_error(*_run("store", "stats", str(store)), "format 2 is newer", str(store))
+    assert _snapshot(store) == before
+
+
+def test_unknown_codec(store):
+    doc = json.loads((store / "zarr.json").read_text())
+    doc["attributes"]["dflash"]["codec"] = "zfp9"
+    (store / "zarr.json").write_text(json.dumps(doc))
+    _one_line_error(*_run("store", "verify", str(store)), "unknown hidden-state codec 'zfp9'")
+
+
+def _verify_reports(store, segment, array, reason):
+    before = _snapshot(store)
+    code, out, err = _run("store", "verify", str(store))
+    assert code == 1 and "FAILED" in out and "Traceback" not in out + err
+    line = [l for l in out.splitlines() if "CORRUPT" in l]
+    assert len(line) == 1, out
+    assert f"segment {segment:08d}" in line[0] and f"array '{array}'" in line[0] and reason in line[0], line[0]
+    assert _snapshot(store) == before
+
+
+def test_missing_chunk_file(store):
+    (store / "segments/00000001/hidden/c/0/2/0").unlink()
+    _verify_reports(store, 1, "hidden", "missing chunk file c/0/2/0")
+
+
+def test_truncated_chunk_file(store):
+    p = store / "segments/00000002/topk_ids/c/0/0"
+    p.write_bytes(p.read_bytes()[:-9])
+    _verify_reports(store, 2, "topk_ids", "unreadable chunk")
+
+
+def test_checksum_mismatch(store):
+    # Two valid shards swapped: each decodes cleanly, but the data is not what was committed.
+    a, b = store / "segments/00000000/hidden/c/0/0/0", store / "segments/00000000/hidden/c/0/1/0"
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    b.write_bytes(da)
+    _verify_reports(store, 0, "hidden", "checksum mismatch in layer 1")
+
+
+def test_corrupt_segment_read_names_store_segment_array(store):
+    from dflash_pipeline.errors import CorruptSegmentError
+    from dflash_pipeline.store.reader import StoreReader
+
+    (store / "segments/00000001/loss_mask/c/0").unlink()
+    with pytest.raises(CorruptSegmentError) as e:
+        StoreReader(str(store)).read_segment(1)
+    assert str(store) in str(e.value) and "00000001" in str(e.value) and "loss_mask" in str(e.value)
+
+
+def test_repair_removes_incomplete_keeps_corrupt_unless_asked(store):
+    (store / "segments/00000009/tokens").mkdir(parents=True)
+    (store / "segments/00000009/tokens/zarr.json").write_text("{}")
+    (store / "segments/00000001/hidden/c/0/2/0").unlink()
+    code, out, _ = _run("store", "verify", str(store), "--repair")
+    assert code == 1 and "removed 1 incomplete" in out and "corrupt segments are kept" in out
+    assert not (store / "segments/00000009").exists()
+    assert (store / "commits/00000001.json").exists()
+    code, out, _ = _run("store", "verify", str(store), "--repair", "--drop-corrupt")
+    assert code == 0 and "removed corrupt segment 00000001" in out
+    assert not (store / "commits/00000001.json").exists()
+    code, out, _ = _run("store", "verify", str(store), "--json")
+    rep = json.loads(out)
+    assert rep["ok"] and rep["checked"] == 2 and rep["manifest_problem"] is None
