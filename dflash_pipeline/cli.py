@@ -111,5 +111,59 @@ def store_verify(
         raise typer.Exit(1)
 
 
+def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
+    if text is None or text == "":
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{option} takes comma-separated integers, got '{text}'") from None
+
+
+def _config(cls, **kwargs):
+    """Build a config dataclass; its validation errors become one-line usage errors."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+@app.command("extract")
+@user_errors
+def extract(
+    out: str = typer.Option(..., "--out", help="Store path or URL to create or resume."),
+    target: Optional[str] = typer.Option(None, "--target", help="HF model folder, hub id in the local cache, or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+    data: Optional[list[str]] = typer.Option(None, "--data", help="JSONL/JSON/Parquet conversations (ShareGPT, OpenAI messages or text); repeatable. Default: the embedded ShareGPT conversations."),
+    max_length: int = typer.Option(2048, "--max-length", help="Truncate samples to this many tokens."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use at most this many samples."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layer ids to capture, e.g. 1,9,17,25,33 (0-based outputs, before the final norm)."),
+    num_features: int = typer.Option(5, "--num-features", help="Without --layers: capture this many layers, spread as DFlash does."),
+    topk: int = typer.Option(32, "--topk", help="Teacher top-k log-probabilities kept per token (0: none)."),
+    codec: str = typer.Option("bf16", "--codec", help="Hidden-state codec: bf16 (lossless) or fp8 (about 2x smaller)."),
+    tokens_per_batch: int = typer.Option(16384, "--tokens-per-batch", help="Padded tokens per forward pass."),
+    segment_tokens: int = typer.Option(32768, "--segment-tokens", help="Tokens per store segment (unit of work, commit and resume)."),
+    gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs to use (one process each)."),
+    gpus_per_replica: int = typer.Option(1, "--gpus-per-replica", help="Split a target that does not fit one GPU over this many."),
+    dtype: str = typer.Option("auto", "--dtype", help="Target compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
+    device: str = typer.Option("auto", "--device", help="auto, cuda or cpu."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
+):
+    """Run the target over the data and write a feature store (crash-safe; re-run to resume)."""
+    _quiet_zarr_warnings()
+    cfg = _config(_extract_config(), out=out, target=target, data=list(data or []), max_length=max_length,
+                  limit=limit, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
+                  codec=codec, tokens_per_batch=tokens_per_batch, segment_tokens=segment_tokens, gpus=gpus,
+                  gpus_per_replica=gpus_per_replica, dtype=dtype, device=device, quiet=quiet)
+    from dflash_pipeline.extract.pipeline import run_extract
+
+    run_extract(cfg)
+
+
+def _extract_config():
+    from dflash_pipeline.schemas.config import ExtractConfig
+
+    return ExtractConfig
+
+
 def main() -> None:  # pragma: no cover
     app()

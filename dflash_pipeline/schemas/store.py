@@ -117,6 +117,7 @@ class StoreMeta:
         pairs = [
             ("target", self.target.config_hash, other.target.config_hash),
             ("target path", self.target.name_or_path, other.target.name_or_path),
+            ("target dtype", self.target.dtype, other.target.dtype),
             ("tokenizer", self.tokenizer.hash, other.tokenizer.hash),
             ("layer ids", self.layer_ids, other.layer_ids),
             ("layer convention", self.layer_convention, other.layer_convention),

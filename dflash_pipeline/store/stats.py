@@ -100,7 +100,9 @@ def compute_stats(url: str, sample: int | None = 256, seed: int = 0) -> dict[str
         "sampled_segments": len(commits) if sampled else None,
         "bytes_on_disk": int(bytes_on_disk),
         "bytes_per_array": {k: int(v) for k, v in sorted(per_array.items())},
-        "bytes_per_token": bytes_on_disk / tokens if tokens else 0.0,
+        # Per token: what the features cost (segments); the target's frozen tensors are a fixed cost.
+        "bytes_per_token": segment_bytes / tokens if tokens else 0.0,
+        "target_bytes": int(other_bytes),
         "hidden_bytes_per_token": stored_hidden / tokens if tokens else 0.0,
         "raw_bf16_hidden_bytes_per_token": L * H * 2,
         "compression_ratio": raw_hidden / stored_hidden if stored_hidden else 0.0,
@@ -132,6 +134,7 @@ def _fmt_bytes(n: float) -> str:
 
 def render_stats(s: dict[str, Any], console) -> None:
     """The readable report (rich tables + a terminal histogram of sample lengths)."""
+    from rich.markup import escape
     from rich.table import Table
 
     head = Table(title=f"dflash store: {s['store']}", show_header=False, title_justify="left")
@@ -142,7 +145,8 @@ def render_stats(s: dict[str, Any], console) -> None:
         ("tokens", f"{s['tokens']:,}"),
         ("supervised tokens", f"{s['supervised_tokens']:,} ({s['supervised_tokens'] / max(s['tokens'], 1):.1%})"),
         ("segments", f"{s['segments_committed']:,} committed, {s['segments_incomplete']:,} incomplete"),
-        ("bytes on disk", f"{_fmt_bytes(s['bytes_on_disk'])} ({s['bytes_per_token']:,.0f} B/token)"),
+        ("bytes on disk", f"{_fmt_bytes(s['bytes_on_disk'])}: features {s['bytes_per_token']:,.0f} B/token, "
+                          f"target tensors and manifest {_fmt_bytes(s['target_bytes'])}"),
         ("hidden states", f"{s['hidden_bytes_per_token']:,.0f} B/token stored vs {s['raw_bf16_hidden_bytes_per_token']:,} "
                           f"raw bf16: {s['compression_ratio']:.2f}x"),
         ("codec", f"{s['codec']} (relative RMS error {s['codec_rel_rmse']:.2%}, max abs {s['codec_max_abs_error']:.3g})"),
@@ -156,7 +160,7 @@ def render_stats(s: dict[str, Any], console) -> None:
         ("non-finite values", f"{s['nonfinite_values']:,}"),
     ]
     for k, v in rows:
-        head.add_row(k, v)
+        head.add_row(k, escape(v))
     console.print(head)
     if s["sampled_segments"] is not None:
         console.print(f"[yellow]sizes and statistics from a random sample of {s['sampled_segments']} of "

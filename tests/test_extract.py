@@ -1,0 +1,172 @@
+"""`dflash extract` on the real embedded model: features against a plain forward pass, top-k against
+full logits, crash + resume against a clean run, refusal of a different store, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.errors import ConfigMismatchError, DFlashError
+from dflash_pipeline.extract.pipeline import make_batches, run_extract
+from dflash_pipeline.schemas.config import ExtractConfig
+from dflash_pipeline.store.reader import StoreReader
+from dflash_pipeline.store.verify import verify_store
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
+
+LAYERS = [1, 8, 14, 20, 27]
+
+
+def _conversations(path: Path, n: int = 10) -> Path:
+    rows = []
+    for i in range(n):
+        rows.append({"conversations": [
+            {"from": "human", "value": f"Question {i}: what is {i} plus {i + 3}? Explain briefly."},
+            {"from": "gpt", "value": f"{i} plus {i + 3} is {2 * i + 3}. " + "Adding numbers is easy. " * (i % 4 + 1)},
+            {"from": "human", "value": "Thanks! And times two?"},
+            {"from": "gpt", "value": f"Twice that is {2 * (2 * i + 3)}."},
+        ]})
+    rows.insert(3, {"conversations": [{"from": "alien", "value": "hi"}]})   # a bad row, skipped
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    return path
+
+
+def _cfg(tmp_path, data, **kw) -> ExtractConfig:
+    base = dict(out=str(tmp_path / "store"), data=[str(data)], max_length=128, layers=LAYERS, topk=8,
+                tokens_per_batch=512, segment_tokens=300, tokenize_workers=1, quiet=True, device="cpu")
+    base.update(kw)
+    return ExtractConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return _conversations(tmp_path_factory.mktemp("data") / "conv.jsonl")
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, data_file):
+    tmp = tmp_path_factory.mktemp("extract")
+    cfg = _cfg(tmp, data_file)
+    record = run_extract(cfg)
+    return cfg, record
+
+
+def test_features_equal_plain_forward(extracted, smollm_model):
+    cfg, record = extracted
+    r = StoreReader(cfg.out)
+    assert r.num_samples == 10 and r.meta.layer_ids == LAYERS and r.meta.target.dtype == "float32"
+    rep = record["data_report"]
+    assert rep["num_skipped"] == 2 and rep["num_samples"] == 10
+    assert {(p["row"], p["reason"]) for p in rep["problems"]} >= {(4, rep["problems"][0]["reason"])}
+    assert any(p["row"] == 12 for p in rep["problems"])       # "not json" on the last line
+    batched_with_others = 0
+    for row in range(r.num_samples):
+        s = r.read_sample(row, dtype=torch.float32)
+        ids = torch.from_numpy(s.tokens_T.astype(np.int64))[None]
+        with torch.no_grad():
+            out = smollm_model(ids, output_hidden_states=True)
+        ref = torch.stack([out.hidden_states[k + 1][0] for k in LAYERS], dim=1)
+        # bf16 storage of fp32 features (2^-8 relative) plus padding-order noise of the batched forward
+        err = (s.hidden_TLH - ref).abs()
+        assert torch.all(err <= ref.abs() * 2 ** -8 + 2e-3), (row, err.max())
+        lp = torch.log_softmax(out.logits[0].float(), -1)
+        top = lp.topk(8, dim=-1)
+        agree = (torch.from_numpy(s.topk_ids_TK.astype(np.int64)) == top.indices).float().mean()
+        assert agree > 0.99  # ties and 1e-6 differences may swap ranks of equal-probability words
+        assert np.allclose(s.topk_logprobs_TK.astype(np.float32), top.values.numpy(), atol=2e-2, rtol=2e-3)
+    # every segment held several samples, each batch more than one
+    seg_sizes = np.bincount(r.column("segment"))
+    batched_with_others = sum(len(b) > 1 for n in seg_sizes for b in make_batches([128] * n, 512))
+    assert batched_with_others >= 1 and seg_sizes.max() > 1
+
+
+def test_store_carries_target_and_record(extracted, smollm_model):
+    cfg, record = extracted
+    r = StoreReader(cfg.out)
+    emb = r.target_tensor("embed")
+    assert torch.equal(emb, smollm_model.get_input_embeddings().weight)
+    assert torch.equal(r.target_tensor("final_norm"), smollm_model.model.norm.weight)
+    assert not r.has_target_tensor("lm_head")     # tied to the embedding
+    tok = r.load_tokenizer()
+    assert tok.chat_template and len(tok) == 49152
+    assert record["store"]["samples"] == 10 and record["segments_this_run"] == record["store"]["segments_committed"]
+    runs = r.kv.list_dir("runs")
+    assert any(n.startswith("extract-") and n.endswith(".json") for n in runs)
+    assert verify_store(cfg.out).ok
+
+
+def test_rerun_skips_committed_and_refuses_other_settings(extracted, data_file, tmp_path):
+    cfg, _ = extracted
+    again = run_extract(_cfg(Path(cfg.out).parent, data_file))
+    assert again["segments_this_run"] == 0
+    with pytest.raises(ConfigMismatchError, match="top-k: store has 8, asked for 4"):
+        run_extract(_cfg(Path(cfg.out).parent, data_file, topk=4))
+    with pytest.raises(ConfigMismatchError, match="codec"):
+        run_extract(_cfg(Path(cfg.out).parent, data_file, codec="fp8"))
+    with pytest.raises(ConfigMismatchError, match="max_length: store has 128, asked for 100"):
+        run_extract(_cfg(Path(cfg.out).parent, data_file, max_length=100))
+    other = _conversations(tmp_path / "other.jsonl", n=11)
+    with pytest.raises(ConfigMismatchError, match="input files' contents differ"):
+        run_extract(_cfg(Path(cfg.out).parent, other))
+
+
+def test_missing_input_fails_before_any_work(tmp_path):
+    with pytest.raises(DFlashError, match="nope.jsonl"):
+        run_extract(_cfg(tmp_path, tmp_path / "nope.jsonl"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_two_processes_write_the_same_store(extracted, data_file, tmp_path):
+    cfg, _ = extracted
+    cfg2 = _cfg(tmp_path, data_file, num_procs=2)
+    rec = run_extract(cfg2)
+    assert rec["processes"] == 2 and all(w["segments"] > 0 for w in rec["workers"])
+    _assert_same_store(cfg.out, cfg2.out)
+
+
+def _assert_same_store(a: str, b: str) -> None:
+    ra, rb = StoreReader(a), StoreReader(b)
+    assert ra.num_samples == rb.num_samples
+    for row in range(ra.num_samples):
+        sa = ra.read_sample(row)
+        sb = rb.read_sample(rb.find_sample(sa.sample_id))
+        np.testing.assert_array_equal(sa.tokens_T, sb.tokens_T)
+        np.testing.assert_array_equal(sa.loss_mask_T, sb.loss_mask_T)
+        assert torch.equal(sa.hidden_TLH.view(torch.int16), sb.hidden_TLH.view(torch.int16))
+        np.testing.assert_array_equal(sa.topk_ids_TK, sb.topk_ids_TK)
+
+
+def test_sigkill_then_resume_equals_clean_run(extracted, data_file, tmp_path):
+    cfg, _ = extracted
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dflash_pipeline", "extract", "--out", str(out), "--data", str(data_file),
+           "--max-length", "128", "--layers", ",".join(map(str, LAYERS)), "--topk", "8",
+           "--tokens-per-batch", "512", "--segment-tokens", "300", "--device", "cpu", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        commits = list((out / "commits").glob("*.json")) if (out / "commits").exists() else []
+        if len(commits) >= 1:
+            time.sleep(0.3)  # land somewhere inside the next segment
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    partial = verify_store(str(out))
+    assert partial.ok                                 # what is committed is intact
+    n_before = partial.checked
+    assert n_before < StoreReader(cfg.out).segment_ids().size
+    done = subprocess.run(cmd, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert verify_store(str(out)).ok
+    _assert_same_store(cfg.out, str(out))
