@@ -199,13 +199,24 @@ def _flex_attention(device: torch.device):
     return _compiled_flex
 
 
+def _dense_sdpa_backends():
+    # cuDNN attention builds a plan per shape: ~40 ms per call when the key length grows every
+    # drafting step. The memory-efficient kernel takes boolean masks without that cost.
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
 def attend(q_RhQD, k_RhKD, v_RhKD, mask, scale: float) -> torch.Tensor:
     """Attention of Q queries over K keys with GQA; `mask` from `build_mask` decides the backend."""
     if isinstance(mask, torch.Tensor):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q_RhQD, k_RhKD, v_RhKD, attn_mask=mask, scale=scale,
-            enable_gqa=q_RhQD.shape[1] != k_RhKD.shape[1],
-        )
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(_dense_sdpa_backends()):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q_RhQD, k_RhKD, v_RhKD, attn_mask=mask, scale=scale,
+                enable_gqa=q_RhQD.shape[1] != k_RhKD.shape[1],
+            )
     return _flex_attention(q_RhQD.device)(
         q_RhQD, k_RhKD, v_RhKD, block_mask=mask, scale=scale,
         enable_gqa=q_RhQD.shape[1] != k_RhKD.shape[1],

@@ -1,0 +1,204 @@
+"""The frozen LM head and the drafter's loss, fused and chunked: one pass over each chunk's logits.
+
+Logits for every labelled block slot do not fit (32K slots x 248K words is 32 GB in fp32), and chunking
+alone does not help when autograd keeps each chunk's logits for backward (field notes). The head is
+frozen, so backward only needs d loss / d hidden. `FusedHeadLoss.forward` therefore computes, for each
+chunk of positions, the logits once (in the hidden dtype, bf16 on GPU), an fp32 log-softmax, and from
+those same logits: the loss terms, their gradient with respect to the logits, grad_h = dlogits @ W and
+the argmax metric. Only grad_h [N, H] is saved; backward scales it by the incoming gradient. No
+[N, V] tensor lives beyond one chunk and the head never runs twice.
+
+Terms, per labelled position i with weight w_i (position decay exp(-(k-1)/gamma) times validity):
+- CE_i = -log p(label_i);
+- KL_i = sum_k q_k (log q_k - log p(id_k)), forward KL(teacher || student), where q is the teacher's
+  stored top-k renormalised over its k entries: the tail mass beyond the top-k is dropped, so q sums
+  to 1 over the k ids (top-k slots with log-prob -inf get q = 0);
+- CAP_i = entropy of the student distribution, only where argmax == label (LLaDA 2.0: sharpen what is
+  already right); the argmax mask is a constant for the gradient.
+loss = [(1 - kl_weight) * sum w CE + kl_weight * sum w KL + cap_weight * sum w CAP] / normalizer, with
+normalizer = sum(w) by default (the decay-weighted count, not the token count). Pass `normalizer` to
+normalise over a larger set (gradient accumulation, data parallel: the global sum of weights).
+
+Shape legend: N labelled positions, C positions of one chunk, H hidden, V vocabulary, K teacher top-k.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class HeadLossResult(NamedTuple):
+    loss: torch.Tensor  # scalar fp32, differentiable w.r.t. hidden
+    ce: torch.Tensor  # scalar fp32, detached: sum w*CE / normalizer
+    kl: torch.Tensor  # same for KL (0 without teacher)
+    cap: torch.Tensor  # same for CAP (0 when cap_weight == 0)
+    correct_N: torch.Tensor  # bool, argmax == label (False for negative labels)
+
+
+def _check(hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK, kl_weight):
+    if head_weight_VH.requires_grad:
+        raise ValueError("the LM head must be frozen (requires_grad=False): the fused loss returns no gradient for it")
+    if hidden_NH.dtype != head_weight_VH.dtype:
+        raise ValueError(f"hidden ({hidden_NH.dtype}) and LM head ({head_weight_VH.dtype}) dtypes differ")
+    N = hidden_NH.shape[0]
+    if labels_N.shape != (N,) or weights_N.shape != (N,):
+        raise ValueError(f"labels {tuple(labels_N.shape)} and weights {tuple(weights_N.shape)} must be ({N},)")
+    if (teacher_ids_NK is None) != (teacher_logprobs_NK is None):
+        raise ValueError("teacher_ids and teacher_logprobs come together")
+    if kl_weight > 0 and teacher_ids_NK is None:
+        raise ValueError("kl_weight > 0 needs the teacher's top-k (teacher_ids, teacher_logprobs)")
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
+
+
+def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """Loss math in fp32 (fp64 for fp64 inputs, which gradient checks use)."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _teacher_probs(teacher_logprobs_CK: torch.Tensor) -> torch.Tensor:
+    """Top-k log-probs -> probabilities renormalised over the k entries (all -inf rows -> zeros)."""
+    q = torch.softmax(teacher_logprobs_CK.float(), dim=-1)
+    return torch.nan_to_num(q, nan=0.0)
+
+
+def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight, inv_norm, need_grad):
+    """Weighted CE/KL/CAP sums, argmax hits and d loss / d h of one chunk, from one head matmul.
+
+    A function of its own so that the chunk's [C, V] buffers are freed on return, before the next
+    chunk's matmul.
+    """
+    acc = _acc_dtype(h_CH)
+    w_C = w_C.to(acc)
+    safe_labels_C1 = labels_C.clamp_min(0)[:, None]
+    logp_CV = (h_CH @ head_weight_VH.T).to(acc)
+    logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
+    correct_C = (logp_CV.argmax(dim=-1) == labels_C) & (labels_C >= 0)
+    sums = torch.zeros(3, dtype=acc, device=h_CH.device)
+    sums[0] = (w_C * -logp_CV.gather(1, safe_labels_C1)[:, 0]).sum()
+    p_CV = logp_CV.exp()
+    if ids_CK is not None:
+        ids_CK = ids_CK.long()
+        q_CK = _teacher_probs(teacher_lp_CK).to(acc)
+        kl_C = (torch.xlogy(q_CK, q_CK) - q_CK * logp_CV.gather(1, ids_CK)).sum(-1)
+        sums[1] = (w_C * kl_C).sum()
+    if cap_weight > 0:
+        ent_C = -torch.einsum("cv,cv->c", p_CV, logp_CV)
+        cap_mask_C = correct_C.to(acc)
+        sums[2] = (w_C * cap_mask_C * ent_C).sum()
+    if not need_grad:
+        return sums, correct_C, None
+    # d/dlogits of (1-a) CE + a KL + c m H, per row, with m the (constant) argmax mask:
+    #   (1-a)(p - onehot(y)) + a(p - q_scattered) - c m p (log p + H)
+    # = p (1 - c m (log p + H)) - (1-a) onehot(y) - a q_scattered
+    if cap_weight > 0:
+        g_CV = logp_CV.add_(ent_C[:, None]).mul_(-cap_weight * cap_mask_C[:, None]).add_(1.0).mul_(p_CV)
+    else:
+        g_CV = p_CV
+    del logp_CV, p_CV
+    g_CV.scatter_add_(1, safe_labels_C1, torch.full_like(w_C, kl_weight - 1.0)[:, None])
+    if ids_CK is not None and kl_weight > 0:
+        g_CV.scatter_add_(1, ids_CK, q_CK.mul_(-kl_weight))
+    g_CV.mul_((w_C * inv_norm)[:, None])
+    return sums, correct_C, g_CV.to(h_CH.dtype) @ head_weight_VH
+
+
+class FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK,
+                kl_weight, cap_weight, chunk_size, normalizer):
+        N = hidden_NH.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        grad_NH = torch.empty_like(hidden_NH) if need_grad else None
+        sums = torch.zeros(3, dtype=_acc_dtype(hidden_NH), device=hidden_NH.device)  # weighted CE, KL, CAP
+        correct_N = torch.zeros(N, dtype=torch.bool, device=hidden_NH.device)
+        inv_norm = 1.0 / normalizer
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            chunk_sums, correct_N[s:e], grad_CH = _chunk(
+                hidden_NH[s:e], head_weight_VH, labels_N[s:e], weights_N[s:e],
+                None if teacher_ids_NK is None else teacher_ids_NK[s:e],
+                None if teacher_logprobs_NK is None else teacher_logprobs_NK[s:e],
+                kl_weight, cap_weight, inv_norm, need_grad,
+            )
+            sums += chunk_sums
+            if need_grad:
+                grad_NH[s:e] = grad_CH
+        ce, kl, cap = (sums * inv_norm).unbind(0)
+        loss = (1.0 - kl_weight) * ce + kl_weight * kl + cap_weight * cap
+        if need_grad:
+            ctx.save_for_backward(grad_NH)
+        ctx.mark_non_differentiable(ce, kl, cap, correct_N)
+        return loss, ce, kl, cap, correct_N
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        (grad_NH,) = ctx.saved_tensors
+        return grad_NH * grad_loss.to(grad_NH.dtype), None, None, None, None, None, None, None, None, None
+
+
+def _normalizer(weights_N: torch.Tensor, normalizer, dtype: torch.dtype) -> torch.Tensor:
+    if normalizer is None:
+        # All-zero weights give a zero loss and gradient instead of 0/0.
+        return weights_N.to(dtype).sum().clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.as_tensor(normalizer, device=weights_N.device).to(dtype)
+
+
+def fused_head_loss(
+    hidden_NH: torch.Tensor,
+    head_weight_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    weights_N: torch.Tensor,
+    teacher_ids_NK: torch.Tensor | None = None,
+    teacher_logprobs_NK: torch.Tensor | None = None,
+    *,
+    kl_weight: float = 0.0,
+    cap_weight: float = 0.0,
+    chunk_size: int = 2048,
+    normalizer: float | torch.Tensor | None = None,
+) -> HeadLossResult:
+    """Loss, metrics and (saved) input gradient of the frozen head in one chunked pass; see module doc."""
+    _check(hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK, kl_weight)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out = FusedHeadLoss.apply(
+        hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK,
+        float(kl_weight), float(cap_weight), int(chunk_size), _normalizer(weights_N, normalizer, _acc_dtype(hidden_NH)),
+    )
+    return HeadLossResult(*out)
+
+
+def naive_head_loss(
+    hidden_NH: torch.Tensor,
+    head_weight_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    weights_N: torch.Tensor,
+    teacher_ids_NK: torch.Tensor | None = None,
+    teacher_logprobs_NK: torch.Tensor | None = None,
+    *,
+    kl_weight: float = 0.0,
+    cap_weight: float = 0.0,
+    normalizer: float | torch.Tensor | None = None,
+) -> HeadLossResult:
+    """The same loss with full logits and plain autograd: the reference for tests (memory O(N*V))."""
+    _check(hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK, kl_weight)
+    acc = _acc_dtype(hidden_NH)
+    norm = _normalizer(weights_N, normalizer, acc)
+    w_N = weights_N.to(acc)
+    logp_NV = torch.log_softmax((hidden_NH @ head_weight_VH.T).to(acc), dim=-1)
+    correct_N = (logp_NV.argmax(-1) == labels_N) & (labels_N >= 0)
+    ce = (w_N * -logp_NV.gather(1, labels_N.clamp_min(0)[:, None])[:, 0]).sum() / norm
+    zero = logp_NV.new_zeros(())
+    kl = zero
+    if teacher_ids_NK is not None:
+        q_NK = _teacher_probs(teacher_logprobs_NK).to(acc)
+        kl_N = (torch.xlogy(q_NK, q_NK) - q_NK * logp_NV.gather(1, teacher_ids_NK.long())).sum(-1)
+        kl = (w_N * kl_N).sum() / norm
+    cap = zero
+    if cap_weight > 0:
+        ent_N = -(logp_NV.exp() * logp_NV).sum(-1)
+        cap = (w_N * correct_N.to(acc) * ent_N).sum() / norm
+    loss = (1.0 - kl_weight) * ce + kl_weight * kl + cap_weight * cap
+    return HeadLossResult(loss, ce.detach(), kl.detach(), cap.detach(), correct_N)

@@ -1,0 +1,132 @@
+"""The fused chunked head loss equals the naive full-logits loss, and keeps no [N, V] tensor for backward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash_pipeline.train.loss import FusedHeadLoss, fused_head_loss, naive_head_loss
+
+N, H, V, K = 37, 16, 50, 5
+
+
+def _inputs(dtype=torch.float32, seed=0, many_correct=False):
+    g = torch.Generator().manual_seed(seed)
+    head = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    if many_correct:  # CAP only acts where argmax == label
+        labels[::2] = (hidden.float() @ head.float().T).argmax(-1)[::2]
+    labels[3] = -100
+    weights = torch.rand(N, generator=g)
+    weights[3] = weights[5] = 0.0
+    t_ids = torch.randint(0, V, (N, K), generator=g)
+    t_lp = torch.log_softmax(torch.randn(N, K, generator=g), -1) - 0.3  # top-k mass < 1: the tail is dropped
+    t_lp[:, -1] = -math.inf  # an unused top-k slot
+    return hidden, head, labels, weights, t_ids, t_lp
+
+
+def _both(dtype, kl, cap, chunk, seed=0):
+    hidden, head, labels, weights, t_ids, t_lp = _inputs(dtype, seed, many_correct=True)
+    out = []
+    for fn, kw in ((fused_head_loss, dict(chunk_size=chunk)), (naive_head_loss, {})):
+        h = hidden.clone().requires_grad_(True)
+        res = fn(h, head, labels, weights, t_ids, t_lp, kl_weight=kl, cap_weight=cap, **kw)
+        (3.0 * res.loss).backward()
+        out.append((res, h.grad))
+    return out
+
+
+@pytest.mark.parametrize("kl,cap", [(0.0, 0.0), (0.3, 0.0), (0.0, 0.5), (0.15, 0.1), (1.0, 0.0)])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 37, 1000])
+def test_fused_equals_naive_fp32(kl, cap, chunk):
+    (f, gf), (n, gn) = _both(torch.float32, kl, cap, chunk)
+    for a, b in zip(f[:4], n[:4]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(f.correct_N, n.correct_N)
+    torch.testing.assert_close(gf, gn, atol=1e-5, rtol=1e-5)
+    if cap:
+        assert f.cap > 0 and f.correct_N.sum() > N // 3
+
+
+@pytest.mark.parametrize("kl,cap", [(0.0, 0.0), (0.15, 0.1)])
+@pytest.mark.parametrize("chunk", [8, 37])
+def test_fused_equals_naive_bf16(kl, cap, chunk):
+    (f, gf), (n, gn) = _both(torch.bfloat16, kl, cap, chunk)
+    torch.testing.assert_close(f.loss, n.loss, atol=1e-4, rtol=1e-4)  # both reduce in fp32
+    assert gf.dtype == torch.bfloat16
+    torch.testing.assert_close(gf, gn, atol=2e-3, rtol=2e-2)
+
+
+def test_kl_term_is_forward_kl_to_renormalised_topk():
+    hidden, head, labels, weights, t_ids, t_lp = _inputs()
+    res = fused_head_loss(hidden, head, labels, weights, t_ids, t_lp, kl_weight=0.5)
+    logp = torch.log_softmax(hidden @ head.T, -1)
+    q = torch.softmax(t_lp, -1)
+    assert torch.allclose(q.sum(-1), torch.ones(N))
+    kl_i = (torch.xlogy(q, q) - q * logp.gather(1, t_ids)).sum(-1)
+    torch.testing.assert_close(res.kl, (weights * kl_i).sum() / weights.sum())
+    ce_i = -logp.gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    torch.testing.assert_close(res.ce, (weights * ce_i).sum() / weights.sum())
+    torch.testing.assert_close(res.loss, 0.5 * res.ce + 0.5 * res.kl)
+
+
+def test_cap_gradient_check():
+    hidden, head, labels, weights, t_ids, t_lp = _inputs(torch.float64, many_correct=True)
+    n = 12
+    hidden = hidden[:n].clone().requires_grad_(True)
+
+    def f(h):
+        return fused_head_loss(h, head, labels[:n], weights[:n], t_ids[:n], t_lp[:n], kl_weight=0.2, cap_weight=0.7,
+                               chunk_size=5).loss
+
+    assert torch.autograd.gradcheck(f, (hidden,), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+def test_backward_keeps_only_grad_h():
+    """No tensor of N*V elements (or any vocabulary-sized one) is held by the graph."""
+    hidden, head, labels, weights, t_ids, t_lp = _inputs()
+    hidden.requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        res = fused_head_loss(hidden, head, labels, weights, t_ids, t_lp, kl_weight=0.3, cap_weight=0.1,
+                              chunk_size=8)
+    assert saved == [N * H]
+    assert isinstance(res.loss.grad_fn, FusedHeadLoss._backward_cls)
+    assert [t.shape for t in res.loss.grad_fn.saved_tensors] == [(N, H)]
+
+
+def test_no_grad_and_zero_weights():
+    hidden, head, labels, weights, t_ids, t_lp = _inputs()
+    with torch.no_grad():
+        res = fused_head_loss(hidden, head, labels, weights, chunk_size=8)
+    ref = naive_head_loss(hidden, head, labels, weights)
+    torch.testing.assert_close(res.loss, ref.loss)
+    h = hidden.clone().requires_grad_(True)
+    zero = fused_head_loss(h, head, labels, torch.zeros(N))
+    zero.loss.backward()
+    assert zero.loss == 0 and h.grad.abs().max() == 0
+
+
+def test_normalizer_override():
+    hidden, head, labels, weights, t_ids, t_lp = _inputs()
+    a = fused_head_loss(hidden, head, labels, weights)
+    b = fused_head_loss(hidden, head, labels, weights, normalizer=2 * weights.sum())
+    torch.testing.assert_close(b.loss, a.loss / 2)
+
+
+def test_user_errors():
+    hidden, head, labels, weights, t_ids, t_lp = _inputs()
+    with pytest.raises(ValueError, match="frozen"):
+        fused_head_loss(hidden, head.clone().requires_grad_(True), labels, weights)
+    with pytest.raises(ValueError, match="teacher"):
+        fused_head_loss(hidden, head, labels, weights, kl_weight=0.1)
+    with pytest.raises(ValueError):
+        fused_head_loss(hidden, head.double(), labels, weights)

@@ -1,0 +1,108 @@
+"""One visibility predicate, two renderings: the dense SDPA mask and the FlexAttention block mask agree."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dflash_pipeline.train.masks import MaskLayout, choose_backend, dense_mask
+
+from test_model import B, packed_batch, random_drafter, tiny_config
+
+KINDS = [(False, None), (True, 5), (False, 5), (True, None)]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_flex():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        yield
+
+
+def _layout():
+    batch, _ = packed_batch()
+    return MaskLayout.for_training(batch["ctx_pos_RS"], batch["ctx_doc_RS"], batch["block_pos_RQ"],
+                                   batch["block_doc_RQ"], batch["block_id_RQ"], B)
+
+
+@pytest.mark.parametrize("causal,window", KINDS)
+def test_mask_mod_equals_dense_mask(causal, window):
+    from torch.nn.attention.flex_attention import create_mask
+
+    layout = _layout()
+    flex = create_mask(layout.mask_mod(causal, window), layout.num_rows, None, layout.num_queries,
+                       layout.num_keys, device="cpu")
+    assert torch.equal(flex.bool(), dense_mask(layout, causal, window))
+
+
+def test_dense_mask_by_hand():
+    """Row 0, anchors 10 and 12 of sample 0 (B=8): context < anchor only, own block only."""
+    layout = _layout()
+    m = dense_mask(layout, False, None)[0, 0]
+    S = layout.num_ctx
+    q10, q12 = 1 * B, 2 * B  # slot 0 of the blocks at anchors 10 and 12
+    assert m[q10, :S].nonzero().flatten().tolist() == list(range(10))
+    assert m[q12, :S].nonzero().flatten().tolist() == list(range(12))
+    assert m[q10 + 3, S:].nonzero().flatten().tolist() == list(range(B, 2 * B))
+    # Sample 1 (row idx 20..34): the block at row idx 27 (position 7) sees row idx 20..26 only.
+    q27 = 4 * B
+    assert m[q27, :S].nonzero().flatten().tolist() == list(range(20, 27))
+    # Causal + window 5: slot 3 of the anchor-10 block (position 13) sees context 9, block slots 0..3.
+    mw = dense_mask(layout, True, 5)[0, 0]
+    assert mw[q10 + 3, :S].nonzero().flatten().tolist() == [9]
+    assert mw[q10 + 3, S:].nonzero().flatten().tolist() == list(range(B, B + 4))
+    # Padded block: each query sees only itself.
+    pad_q = 5 * B + 2
+    assert m[pad_q].nonzero().flatten().tolist() == [S + pad_q]
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_dense_and_flex_forward_agree(kind):
+    """On CPU flex attention runs eagerly, forward only (its backward needs CUDA: see the test below)."""
+    batch, _ = packed_batch()
+    valid = batch["block_id_RQ"] >= 0
+    model = random_drafter(tiny_config(kind))
+    outs = {}
+    for backend in ("dense", "flex"):
+        model.attn_backend = backend
+        with torch.no_grad():
+            outs[backend] = model(**batch)
+    torch.testing.assert_close(outs["flex"][valid], outs["dense"][valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention needs CUDA")
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_dense_and_flex_agree_on_cuda_with_gradients(kind):
+    batch, _ = packed_batch()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    valid = batch["block_id_RQ"] >= 0
+    probe = torch.randn(batch["block_embeds_RQH"].shape, generator=torch.Generator().manual_seed(0)).cuda()
+    results = {}
+    for backend in ("dense", "flex"):
+        model = random_drafter(tiny_config(kind, head_dim=16)).cuda().train()  # compiled flex needs D >= 16
+        model.attn_backend = backend
+        out = model(**batch)
+        # A random projection: the final RMSNorm makes sum(out^2) nearly scale-free, so its gradient
+        # upstream of the norm is rounding noise and cannot compare backends.
+        (out * probe)[valid].sum().backward()
+        results[backend] = (out.detach(), [p.grad for p in model.parameters()])
+    torch.testing.assert_close(results["flex"][0][valid], results["dense"][0][valid], atol=1e-4, rtol=1e-4)
+    for a, b in zip(results["dense"][1], results["flex"][1]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-3)
+
+
+def test_choose_backend():
+    assert choose_backend(torch.device("cpu")) == "dense"
+    assert choose_backend(torch.device("cuda", 0)) == "flex"
+    assert choose_backend(torch.device("cpu"), "flex") == "flex"
+    with pytest.raises(ValueError):
+        choose_backend(torch.device("cpu"), "flash")
+
+
+def test_block_size_must_divide_block_tokens():
+    batch, _ = packed_batch()
+    with pytest.raises(ValueError):
+        MaskLayout.for_training(batch["ctx_pos_RS"], batch["ctx_doc_RS"], batch["block_pos_RQ"][:, :-1],
+                                batch["block_doc_RQ"][:, :-1], batch["block_id_RQ"][:, :-1], B)

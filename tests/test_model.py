@@ -1,0 +1,384 @@
+"""The drafter against the reference `dflash` package, and the training forward against leaks.
+
+The strongest check here: every block of a packed training row (several samples, anchors closer than B,
+sliding-window layers) equals a separate inference step that only ever saw that sample's tokens before
+the anchor. Any leak of future context, of another block or of another sample breaks it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from dflash_pipeline.train.blocks import (
+    IGNORE_LABEL, anchor_candidates, build_blocks, default_gamma, pad_anchors, sample_anchors,
+)
+from dflash_pipeline.train.export import export_drafter
+from dflash_pipeline.train.model import (
+    DFlashDrafter, DrafterConfig, block_input_ids, choose_mask_token_id, default_layer_ids, init_drafter_weights,
+)
+
+H, F_N, V, B = 32, 3, 64, 8
+
+CONFIGS = {
+    "full": dict(layer_types=["full_attention", "full_attention"], sliding_window=None),
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+}
+
+
+def tiny_config(kind: str = "full", **overrides) -> DrafterConfig:
+    kw = dict(hidden_size=H, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+              vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=[1, 3, 5][:F_N],
+              num_target_layers=8, rope_theta=10000.0, **CONFIGS[kind])
+    kw.update(overrides)
+    return DrafterConfig(**kw)
+
+
+def random_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
+    """Large enough weights (and non-unit norms) that every path visibly changes the output."""
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.15, generator=g)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def packed_batch(seed: int = 0):
+    """Two rows. Row 0: sample 0 (20 tokens), sample 1 (15 tokens), 5 padding; anchors 3, 10, 12 in
+    sample 0 (10 and 12 closer than B) and 22, 27 in sample 1, plus a padded block. Row 1: one sample."""
+    g = torch.Generator().manual_seed(seed)
+    S = 40
+    doc = torch.full((2, S), -1, dtype=torch.long)
+    pos = torch.zeros(2, S, dtype=torch.long)
+    doc[0, :20], pos[0, :20] = 0, torch.arange(20)
+    doc[0, 20:35], pos[0, 20:35] = 1, torch.arange(15)
+    doc[1, :33], pos[1, :33] = 0, torch.arange(33)
+    features = torch.randn(2, S, F_N * H, generator=g)
+    anchors = torch.tensor([[3, 10, 12, 22, 27, -1], [5, 6, 20, -1, -1, -1]])
+    A = anchors.shape[1]
+    valid = anchors >= 0
+    a = anchors.clamp_min(0)
+    block_pos = (pos.gather(1, a)[:, :, None] + torch.arange(B)).reshape(2, A * B)
+    block_doc = torch.where(valid, doc.gather(1, a), -1)[:, :, None].expand(2, A, B).reshape(2, A * B)
+    block_id = torch.where(valid, torch.arange(A), -1)[:, :, None].expand(2, A, B).reshape(2, A * B)
+    embeds = torch.randn(2, A * B, H, generator=g)
+    return dict(features_RSF=features, ctx_pos_RS=pos, ctx_doc_RS=doc, block_embeds_RQH=embeds,
+                block_pos_RQ=block_pos, block_doc_RQ=block_doc, block_id_RQ=block_id), anchors
+
+
+def block_out(out, j):
+    return out[:, j * B:(j + 1) * B]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_flex():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        yield
+
+
+# --- reference equivalence ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_matches_reference_dflash_model(kind, tmp_path):
+    from dflash.model import DFlashDraftModel, _crop_to, _make_cache
+
+    cfg = tiny_config(kind)
+    model = random_drafter(cfg)
+    export_drafter(model, cfg, tmp_path, dtype=torch.float32)
+    ref = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    ctx, extra = 11, 9
+    feats = torch.randn(1, ctx + extra, F_N * H, generator=g)
+    emb1, emb2 = torch.randn(2, 1, B, H, generator=g)
+
+    with torch.no_grad():
+        ref_cache = _make_cache(ref.config)
+        ref1 = ref(target_hidden=feats[:, :ctx], noise_embedding=emb1, position_ids=torch.arange(ctx + B)[None],
+                   past_key_values=ref_cache, use_cache=True)
+        _crop_to(ref_cache, ctx)
+        # Second step after 3 accepted tokens: only the new context is passed, as dflash_generate does.
+        ref2 = ref(target_hidden=feats[:, ctx:ctx + 3], noise_embedding=emb2,
+                   position_ids=torch.arange(ctx, ctx + 3 + B)[None], past_key_values=ref_cache, use_cache=True)
+
+        # Training forward: the row holds features beyond the anchor too; they must stay invisible.
+        S = ctx + extra
+        zeros = torch.zeros(1, B, dtype=torch.long)
+        train1 = model(feats, torch.arange(S)[None], torch.zeros(1, S, dtype=torch.long), emb1,
+                       ctx + torch.arange(B)[None], zeros, zeros)
+        cache = model.new_cache()
+        step1 = model.draft_step(feats[:, :ctx], torch.arange(ctx), emb1, ctx + torch.arange(B), cache)
+        step2 = model.draft_step(feats[:, ctx:ctx + 3], torch.arange(ctx, ctx + 3), emb2,
+                                 ctx + 3 + torch.arange(B), cache)
+    assert len(cache) == ctx + 3
+    assert ref1.abs().mean() > 0.1
+    torch.testing.assert_close(train1, ref1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step1, ref1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step2, ref2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_packed_training_equals_per_block_decoding(kind, backend):
+    """Each training block == a decoding step that saw only its own sample's tokens before the anchor."""
+    model = random_drafter(tiny_config(kind))
+    model.attn_backend = backend
+    batch, anchors = packed_batch()
+    with torch.no_grad():
+        out = model(**batch)
+        assert torch.isfinite(out).all()  # padded blocks included
+        for r in range(2):
+            for j, a in enumerate(anchors[r].tolist()):
+                if a < 0:
+                    continue
+                doc = batch["ctx_doc_RS"][r, a]
+                before = (batch["ctx_doc_RS"][r] == doc) & (batch["ctx_pos_RS"][r] < batch["ctx_pos_RS"][r, a])
+                block_pos = batch["block_pos_RQ"][r, j * B:(j + 1) * B]
+                expect = model.draft_step(
+                    batch["features_RSF"][r:r + 1, before], batch["ctx_pos_RS"][r, before],
+                    block_out(batch["block_embeds_RQH"][r:r + 1], j), block_pos, model.new_cache(),
+                )
+                torch.testing.assert_close(block_out(out[r:r + 1], j), expect, atol=1e-5, rtol=1e-5)
+
+
+# --- leak tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_no_leak_from_future_other_blocks_or_other_samples(kind):
+    """Dense path; the flex mask equals the dense one exactly (test_masks) and matches per-block decoding."""
+    model = random_drafter(tiny_config(kind))
+    model.attn_backend = "dense"
+    batch, anchors = packed_batch()
+    doc, pos = batch["ctx_doc_RS"][0], batch["ctx_pos_RS"][0]
+
+    def run(**changes):
+        b = dict(batch)
+        b.update(changes)
+        with torch.no_grad():
+            return model(**b)
+
+    base = run()
+    for j, a in enumerate(anchors[0].tolist()):
+        if a < 0:
+            continue
+        same = doc == doc[a]
+        # Context at or after the anchor in the same sample (the anchor's own state included).
+        feats = batch["features_RSF"].clone()
+        feats[0, same & (pos >= pos[a])] += 3.0
+        assert torch.equal(block_out(run(features_RSF=feats)[:1], j), block_out(base[:1], j))
+        # Every other block's tokens (for anchors 10 and 12 the neighbour overlaps in positions).
+        embeds = batch["block_embeds_RQH"].clone()
+        others = torch.ones(embeds.shape[1], dtype=torch.bool)
+        others[j * B:(j + 1) * B] = False
+        embeds[0, others] += 3.0
+        assert torch.equal(block_out(run(block_embeds_RQH=embeds)[:1], j), block_out(base[:1], j))
+        # The other sample of the row, the row's padding, and the other row.
+        feats = batch["features_RSF"].clone()
+        feats[0, ~same] += 3.0
+        feats[1] += 3.0
+        assert torch.equal(block_out(run(features_RSF=feats)[:1], j), block_out(base[:1], j))
+        # Context just before the anchor is visible.
+        if pos[a] > 0:
+            feats = batch["features_RSF"].clone()
+            feats[0, a - 1] += 3.0
+            assert not torch.allclose(block_out(run(features_RSF=feats)[:1], j), block_out(base[:1], j))
+
+
+def test_block_index_rule_would_leak():
+    """Guard the test itself: with anchors 10 and 12 (B=8), block 2 (anchor 12) sees context 10 and 11,
+    which a rule by block index (block 1 sees context < 8 + 8 = 16?) would get wrong either way."""
+    model = random_drafter(tiny_config("full"))
+    batch, _ = packed_batch()
+    feats = batch["features_RSF"].clone()
+    feats[0, 11] += 3.0  # visible to the block at 12, invisible to the block at 10
+    with torch.no_grad():
+        base, out = model(**batch), model(**{**batch, "features_RSF": feats})
+    assert torch.equal(block_out(out[:1], 1), block_out(base[:1], 1))
+    assert not torch.allclose(block_out(out[:1], 2), block_out(base[:1], 2))
+
+
+def test_training_backward_is_finite_with_padding():
+    model = random_drafter(tiny_config("sliding")).train()
+    batch, _ = packed_batch()
+    batch["block_embeds_RQH"].requires_grad_(True)
+    out = model(**batch)
+    valid = batch["block_id_RQ"] >= 0
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    (out * probe)[valid].sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert torch.isfinite(batch["block_embeds_RQH"].grad).all()
+    assert batch["block_embeds_RQH"].grad[~valid].abs().max() == 0
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    batch, _ = packed_batch()
+    grads = []
+    for ckpt in (False, True):
+        model = random_drafter(tiny_config("sliding")).train()
+        model.gradient_checkpointing = ckpt
+        out = model(**batch)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+# --- config and helpers --------------------------------------------------------------------------
+
+
+def test_config_validation_and_roundtrip():
+    cfg = tiny_config("sliding")
+    assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+    assert tiny_config("full", layer_types=[]).layer_types == ["full_attention"] * 2
+    bad = [dict(num_kv_heads=3), dict(mask_token_id=V), dict(target_layer_ids=[8]), dict(target_layer_ids=[]),
+           dict(layer_types=["full_attention"]), dict(layer_types=["x", "full_attention"]),
+           dict(layer_types=["sliding_attention", "full_attention"], sliding_window=None), dict(block_size=1),
+           dict(head_dim=7)]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            tiny_config("full", **kw)
+    with pytest.raises(ValueError):
+        DrafterConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_qwen3_8b_shape_has_about_a_billion_parameters():
+    from dflash_pipeline.train.model import count_parameters_for
+
+    cfg = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_layers=5, num_heads=32, num_kv_heads=8,
+                        head_dim=128, vocab_size=151936, block_size=16, mask_token_id=151669,
+                        target_layer_ids=default_layer_ids(36, 5), num_target_layers=36)
+    assert 1.0e9 < count_parameters_for(cfg) < 1.1e9
+
+
+def test_default_layer_ids():
+    from dflash.model import build_target_layer_ids
+
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(36, 1) == [18]
+    for L in range(8, 64):
+        for n in range(1, 6):
+            assert default_layer_ids(L, n) == build_target_layer_ids(L, n)
+    with pytest.raises(ValueError):
+        default_layer_ids(5, 3)
+
+
+class _Tok:
+    def __init__(self, n, mask=None):
+        self.n, self.mask_token_id = n, mask
+
+    def __len__(self):
+        return self.n
+
+
+def test_choose_mask_token_id():
+    assert choose_mask_token_id(7, _Tok(151669), 151936) == 7
+    assert choose_mask_token_id(None, _Tok(100, mask=42), 128) == 42
+    assert choose_mask_token_id(None, _Tok(151669), 151936) == 151669  # Qwen3
+    with pytest.raises(ValueError, match="mask_token_id"):
+        choose_mask_token_id(None, _Tok(49152), 49152)
+    with pytest.raises(ValueError):
+        choose_mask_token_id(200, _Tok(100), 128)
+
+
+def test_block_input_ids():
+    ids = block_input_ids(torch.tensor([5, 6]), 4, 99)
+    assert ids.tolist() == [[5, 99, 99, 99], [6, 99, 99, 99]]
+
+
+# --- anchors and labels -------------------------------------------------------------------------
+
+
+def _row():
+    """One row: sample 0 = idx 0..9 (prompt 0..3 unsupervised), sample 1 = idx 10..17, padding 18..19."""
+    S = 20
+    ids = torch.arange(100, 100 + S)[None]
+    doc = torch.tensor([[0] * 10 + [1] * 8 + [-1] * 2])
+    pos = torch.tensor([list(range(10)) + list(range(8)) + [0, 0]])
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    return ids, pos, doc, mask
+
+
+def test_labels_are_same_position_and_never_cross_samples():
+    ids, pos, doc, mask = _row()
+    gamma = 4.0
+    blocks = build_blocks(ids, pos, doc, mask, torch.tensor([[4, 8, 12, -1]]), block_size=4, mask_token_id=7,
+                          gamma=gamma)
+    assert blocks.token_ids_RQ.view(4, 4).tolist() == [[104, 7, 7, 7], [108, 7, 7, 7], [112, 7, 7, 7], [7, 7, 7, 7]]
+    assert blocks.pos_RQ.view(4, 4)[:3].tolist() == [[4, 5, 6, 7], [8, 9, 10, 11], [2, 3, 4, 5]]
+    assert blocks.doc_RQ.view(4, 4)[:, 0].tolist() == [0, 0, 1, -1]
+    assert blocks.block_id_RQ.view(4, 4)[:, 0].tolist() == [0, 1, 2, -1]
+    labels, w = blocks.labels_RQ.view(4, 4), blocks.weights_RQ.view(4, 4)
+    decay = [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, 4)]
+    # Anchor 4: slots 1..3 label tokens 5..7 (same position, no shift).
+    assert labels[0].tolist() == [IGNORE_LABEL, 105, 106, 107]
+    torch.testing.assert_close(w[0], torch.tensor(decay))
+    # Anchor 8: slot 1 = idx 9 (sample 0); slots 2, 3 would be sample 1: weight 0.
+    assert labels[1].tolist() == [IGNORE_LABEL, 109, IGNORE_LABEL, IGNORE_LABEL]
+    assert w[1].tolist() == [0.0, 1.0, 0.0, 0.0]
+    # Anchor 12: slots reach idx 15; all supervised.
+    assert labels[2].tolist() == [IGNORE_LABEL, 113, 114, 115]
+    assert w[3].abs().sum() == 0 and (w[:, 0] == 0).all()
+    assert blocks.label_index_RQ.view(4, 4)[0].tolist() == [-1, 5, 6, 7]
+
+
+def test_labels_stop_at_row_end_and_unsupervised_positions():
+    ids, pos, doc, mask = _row()
+    mask[0, 14] = False
+    blocks = build_blocks(ids, pos, doc, mask, torch.tensor([[13, 16]]), block_size=4, mask_token_id=7, gamma=4.0)
+    w = blocks.weights_RQ.view(2, 4)
+    assert (w[0] > 0).tolist() == [False, False, True, True]  # idx 14 unsupervised
+    assert (w[1] > 0).tolist() == [False, True, False, False]  # idx 18, 19 padding
+
+
+def test_sample_anchors():
+    ids, pos, doc, mask = _row()
+    cand = anchor_candidates(mask[0], doc[0])
+    assert torch.nonzero(cand).flatten().tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15, 16]
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(50):
+        a = sample_anchors(mask[0], doc[0], 3, g)
+        assert a.tolist() == sorted(set(a.tolist()))
+        assert all(cand[a]) and mask[0, a].all() and mask[0, a + 1].all() and (doc[0, a] == doc[0, a + 1]).all()
+        assert (doc[0, a] == 0).sum() == 3 and (doc[0, a] == 1).sum() == 3
+        seen.update(a.tolist())
+    assert seen == set(torch.nonzero(cand).flatten().tolist())
+    assert sample_anchors(mask[0], doc[0], 100, g).tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15, 16]
+    same = [sample_anchors(mask[0], doc[0], 2, torch.Generator().manual_seed(5)).tolist() for _ in range(2)]
+    assert same[0] == same[1]
+    padded = pad_anchors([torch.tensor([1, 2]), torch.tensor([3])])
+    assert padded.tolist() == [[1, 2], [3, -1]]
+
+
+def test_default_gamma():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    with pytest.raises(ValueError):
+        default_gamma(12)
+
+
+def test_blocks_feed_the_model_end_to_end():
+    """build_blocks output plugs into the training forward and matches the hand-built batch."""
+    cfg = tiny_config("sliding")
+    model = random_drafter(cfg)
+    batch, anchors = packed_batch()
+    S = batch["ctx_pos_RS"].shape[1]
+    ids = torch.randint(0, V - 1, (2, S), generator=torch.Generator().manual_seed(3))
+    loss_mask = batch["ctx_doc_RS"] >= 0
+    blocks = build_blocks(ids, batch["ctx_pos_RS"], batch["ctx_doc_RS"], loss_mask, anchors, block_size=B,
+                          mask_token_id=cfg.mask_token_id, gamma=4.0)
+    assert torch.equal(blocks.pos_RQ[blocks.block_id_RQ >= 0], batch["block_pos_RQ"][batch["block_id_RQ"] >= 0])
+    assert torch.equal(blocks.doc_RQ, batch["block_doc_RQ"])
+    assert torch.equal(blocks.block_id_RQ, batch["block_id_RQ"])
+    emb_table = torch.randn(V, H)
+    with torch.no_grad():
+        out = model(batch["features_RSF"], batch["ctx_pos_RS"], batch["ctx_doc_RS"], emb_table[blocks.token_ids_RQ],
+                    blocks.pos_RQ, blocks.doc_RQ, blocks.block_id_RQ)
+    assert torch.isfinite(out).all() and out.shape == (2, anchors.shape[1] * B, H)
