@@ -93,6 +93,31 @@ def test_dense_and_flex_agree_on_cuda_with_gradients(kind):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-3)
 
 
+def test_backends_agree_under_autocast(monkeypatch):
+    """The trainer runs the drafter under bf16 autocast: q, k leave fp32 RMSNorm weights in fp32, v is
+    bf16. Compiled flex attention (CUDA) rejects mixed dtypes, eager CPU flex does not: check by hand."""
+    import dflash_pipeline.train.masks as masks
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def strict_flex(device):
+        def run(q, k, v, **kw):
+            assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+            return flex_attention(q, k, v, **kw)
+        return run
+
+    monkeypatch.setattr(masks, "_flex_attention", strict_flex)
+    batch, _ = packed_batch()
+    valid = batch["block_id_RQ"] >= 0
+    model = random_drafter(tiny_config("sliding"))
+    outs = {}
+    for backend in ("dense", "flex"):
+        model.attn_backend = backend
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[backend] = model(**batch).float()
+    assert torch.isfinite(outs["dense"]).all()
+    torch.testing.assert_close(outs["flex"][valid], outs["dense"][valid], atol=0.1, rtol=0.05)
+
+
 def test_choose_backend():
     assert choose_backend(torch.device("cpu")) == "dense"
     assert choose_backend(torch.device("cuda", 0)) == "flex"

@@ -217,6 +217,12 @@ def attend(q_RhQD, k_RhKD, v_RhKD, mask, scale: float) -> torch.Tensor:
                 q_RhQD, k_RhKD, v_RhKD, attn_mask=mask, scale=scale,
                 enable_gqa=q_RhQD.shape[1] != k_RhKD.shape[1],
             )
+    # Under autocast q and k leave their RMSNorms in fp32 (fp32 weight * bf16), v stays bf16; SDPA
+    # casts for itself, flex attention needs one dtype.
+    device_type = q_RhQD.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q_RhQD, k_RhKD, v_RhKD = q_RhQD.to(dtype), k_RhKD.to(dtype), v_RhKD.to(dtype)
     return _flex_attention(q_RhQD.device)(
         q_RhQD, k_RhKD, v_RhKD, block_mask=mask, scale=scale,
         enable_gqa=q_RhQD.shape[1] != k_RhKD.shape[1],
