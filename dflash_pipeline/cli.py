@@ -159,6 +159,78 @@ def extract(
     run_extract(cfg)
 
 
+@app.command("train")
+@user_errors
+def train(
+    store: str = typer.Option(..., "--store", help="Feature store written by `dflash extract`."),
+    out: str = typer.Option(..., "--out", help="Run directory: config.json, metrics.jsonl, checkpoints/, final/."),
+    epochs: Optional[float] = typer.Option(None, "--epochs", help="Epochs over the store (default 1)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps instead of epochs."),
+    num_layers: int = typer.Option(5, "--num-layers", help="Drafter decoder layers."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens drafted per block (anchor + masks)."),
+    max_anchors: int = typer.Option(512, "--max-anchors", help="Anchors (blocks) per sample per step."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay exp(-(k-1)/gamma); default 7 for B=16, 5 for 10, 4 for 8."),
+    kl_weight: float = typer.Option(0.0, "--kl-weight", help="Share of forward KL to the stored teacher top-k, blended with CE."),
+    cap_weight: float = typer.Option(0.0, "--cap-weight", help="Weight of CAP (entropy minimisation on already-correct slots)."),
+    feature_noise: float = typer.Option(0.0, "--feature-noise", help="Uniform noise U(-s, s) added to the target features."),
+    sliding_window: Optional[int] = typer.Option(None, "--sliding-window", help="Window of the sliding-attention layers."),
+    swa_layers: Optional[str] = typer.Option(None, "--swa-layers", help="Drafter layers with sliding-window attention, e.g. 0,1,2,3."),
+    tokens_per_batch: int = typer.Option(12288, "--tokens-per-batch", help="Tokens per micro-batch (rows of --max-length)."),
+    max_length: int = typer.Option(3072, "--max-length", help="Row length; longer samples are truncated."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    lr: float = typer.Option(6e-4, "--lr"),
+    warmup_ratio: float = typer.Option(0.04, "--warmup-ratio"),
+    grad_clip: float = typer.Option(1.0, "--grad-clip"),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Token id whose embedding marks the masked block slots (default: tokenizer's mask token, else the first free embedding row, else an unused special token)."),
+    ema: Optional[float] = typer.Option(None, "--ema", help="Keep an EMA of the weights with this decay; it is what gets exported."),
+    gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs (one DDP process each)."),
+    eval_fraction: float = typer.Option(0.02, "--eval-fraction", help="Share of samples held out for evaluation."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at each epoch end)."),
+    log_every: int = typer.Option(10, "--log-every"),
+    save_every: int = typer.Option(500, "--save-every"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's latest checkpoint."),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Checkpoint and exit after N steps of this invocation (time-sliced jobs)."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on a corrupt store segment instead of skipping it."),
+    seed: int = typer.Option(0, "--seed"),
+    num_workers: int = typer.Option(2, "--num-workers", help="Data loader worker processes per GPU."),
+    wandb: Optional[str] = typer.Option(None, "--wandb", help="Also log to this Weights & Biases project."),
+    tensorboard: bool = typer.Option(False, "--tensorboard", help="Also write TensorBoard events."),
+    device: str = typer.Option("auto", "--device", help="auto, cuda or cpu."),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Train a DFlash drafter from a feature store; exports RUN_DIR/final in the DFlash HF format."""
+    _quiet_zarr_warnings()
+    from dflash_pipeline.schemas.config import TrainConfig
+
+    cfg = _config(TrainConfig, store=store, out=out, epochs=epochs, steps=steps, num_layers=num_layers,
+                  block_size=block_size, max_anchors=max_anchors, gamma=gamma, kl_weight=kl_weight,
+                  cap_weight=cap_weight, feature_noise=feature_noise, sliding_window=sliding_window,
+                  swa_layers=_int_list(swa_layers, "--swa-layers") or [], tokens_per_batch=tokens_per_batch,
+                  max_length=max_length, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio,
+                  grad_clip=grad_clip, mask_token_id=mask_token_id, ema=ema, gpus=gpus, eval_fraction=eval_fraction, eval_every=eval_every,
+                  log_every=log_every, save_every=save_every, resume=resume, stop_after=stop_after, strict=strict,
+                  seed=seed, num_workers=num_workers, wandb=wandb, tensorboard=tensorboard, device=device,
+                  quiet=quiet)
+    from dflash_pipeline.train.trainer import run_train
+
+    run_train(cfg)
+
+
+@app.command("export")
+@user_errors
+def export(
+    checkpoint: str = typer.Argument(..., help="A checkpoint folder (RUN_DIR/checkpoints/step-N) or a run directory (its latest)."),
+    out: str = typer.Argument(..., help="Output folder for config.json + model.safetensors."),
+    no_ema: bool = typer.Option(False, "--no-ema", help="Export the raw weights even if the checkpoint has an EMA."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weights dtype: bf16 or fp32."),
+):
+    """Export a training checkpoint in the DFlash HF format (SGLang, vLLM, the `dflash` package)."""
+    from dflash_pipeline.train.checkpoint import export_checkpoint
+
+    path = export_checkpoint(checkpoint, out, use_ema=not no_ema, dtype=dtype)
+    print(f"exported to {path}")
+
+
 def _extract_config():
     from dflash_pipeline.schemas.config import ExtractConfig
 

@@ -61,3 +61,107 @@ class ExtractConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
+
+
+@dataclass
+class TrainConfig:
+    """`dflash train`: store -> drafter. Loss normalisation: each term is a weighted sum over labelled
+    block slots divided by the sum of the weights (decay-weighted count)."""
+
+    store: str
+    out: str
+    epochs: float | None = None          # default 1 when neither epochs nor steps is given
+    steps: int | None = None
+    num_layers: int = 5
+    block_size: int = 16
+    max_anchors: int = 512               # per sample per step
+    gamma: float | None = None           # None: 7 for B=16, 5 for 10, 4 for 8
+    kl_weight: float = 0.0
+    cap_weight: float = 0.0
+    feature_noise: float = 0.0
+    sliding_window: int | None = None
+    swa_layers: list[int] = field(default_factory=list)
+    tokens_per_batch: int = 12288        # rows x row length per micro-batch
+    max_length: int = 3072               # row length; longer samples are truncated
+    grad_accum: int = 1
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ema: float | None = None
+    gpus: str = "all"
+    eval_fraction: float = 0.02
+    eval_every: int = 0                  # 0: at the end of each epoch only
+    eval_max_samples: int = 256
+    log_every: int = 10
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False
+    strict: bool = False
+    seed: int = 0
+    num_workers: int = 2
+    wandb: str | None = None
+    tensorboard: bool = False
+    device: str = "auto"
+    num_procs: int | None = None         # CPU only: DDP processes (tests of the multi-process path)
+    loss_chunk: int = 4096
+    layers: list[int] | None = None      # target layers to use (default: every layer in the store)
+    mask_token_id: int | None = None     # default: the method's rule (see train/model.py)
+    stop_after: int | None = None        # checkpoint and exit after this many steps of this invocation
+    quiet: bool = False
+
+    # Changing any of these makes a resumed run differ from an uninterrupted one.
+    RESUME_KEYS = ("store", "epochs", "steps", "num_layers", "block_size", "max_anchors", "gamma", "kl_weight",
+                   "cap_weight", "feature_noise", "sliding_window", "swa_layers", "tokens_per_batch", "max_length",
+                   "grad_accum", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "ema",
+                   "eval_fraction", "seed", "layers", "mask_token_id")
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("give --epochs or --steps, not both")
+        if self.epochs is None and self.steps is None:
+            self.epochs = 1.0
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError("--epochs must be > 0")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        for name in ("num_layers", "max_anchors", "tokens_per_batch", "max_length", "grad_accum", "log_every",
+                     "keep_checkpoints", "loss_chunk", "eval_max_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.block_size < 2:
+            raise ValueError("--block-size must be >= 2")
+        if self.tokens_per_batch % self.max_length:
+            raise ValueError(f"--tokens-per-batch ({self.tokens_per_batch}) must be a multiple of "
+                             f"--max-length ({self.max_length}): a batch is rows of max-length tokens")
+        if not 0 <= self.kl_weight <= 1:
+            raise ValueError("--kl-weight must be in [0, 1] (the KL share of the CE/KL blend)")
+        if self.cap_weight < 0 or self.feature_noise < 0:
+            raise ValueError("--cap-weight and --feature-noise must be >= 0")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError("--eval-fraction must be in [0, 1)")
+        if self.ema is not None and not 0 < self.ema < 1:
+            raise ValueError("--ema must be in (0, 1), e.g. 0.999")
+        if self.swa_layers and self.sliding_window is None:
+            raise ValueError("--swa-layers needs --sliding-window")
+        if self.sliding_window is not None and not self.swa_layers:
+            raise ValueError("--sliding-window needs --swa-layers (which drafter layers use it)")
+        if any(i < 0 or i >= self.num_layers for i in self.swa_layers):
+            raise ValueError(f"--swa-layers {self.swa_layers} outside the drafter's {self.num_layers} layers")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError("--warmup-ratio must be in [0, 1)")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got '{self.device}'")
+
+    @property
+    def rows_per_batch(self) -> int:
+        return self.tokens_per_batch // self.max_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    def resume_diff(self, saved: dict[str, Any]) -> list[str]:
+        now = self.to_dict()
+        return [f"{k}: checkpoint has {saved.get(k)!r}, this run has {now.get(k)!r}"
+                for k in self.RESUME_KEYS if saved.get(k) != now.get(k)]

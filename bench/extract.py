@@ -1,0 +1,155 @@
+"""Extraction benchmark on one GPU: `dflash extract` throughput against the bare forward pass.
+
+Builds a random-weight target of Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads, intermediate
+12288, vocab 151,936, bf16; speed does not depend on the weights), saves it as an HF folder, then
+measures in the same run:
+  baseline  the bare forward pass (base model, no hooks, no LM head) over the same batches;
+  extract   `dflash extract` (5 features, top-32, store on local disk) with the bf16 and fp8 codecs,
+            steady-state tokens/s from its run record (model loading excluded).
+Reports tok/s and the ratio extract / baseline (goal: >= 0.9).
+
+    python bench/extract.py --tokenizer DIR --work /tmp/bench [--tokens 400000] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def build_target(path: str, tokenizer_dir: str, shape: dict) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    cfg = Qwen3Config(**shape)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith("tokenizer") or f in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
+    del model
+    torch.cuda.empty_cache()
+
+
+def write_data(path: str, tokens: int, seed: int = 0) -> None:
+    """Plain-text records of random words, lengths 300..4000 words (about as many tokens)."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(5000)] + ["the", "of", "and", "model", "token", "cache"]
+    total = 0
+    with open(path, "w") as f:
+        while total < tokens:
+            n = rng.randint(300, 4000)
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+            total += n * 2  # SmolLM's tokenizer splits "w123" into ~2 tokens
+
+
+def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
+    """Baseline: the base model's forward over the batches extraction ran (same padding)."""
+    from dflash_pipeline.extract.pipeline import make_batches
+    from dflash_pipeline.extract.plan import PlanReader, read_plan
+    from dflash_pipeline.extract.target import base_model, load_target
+    from dflash_pipeline.store.backends import KV, open_zarr_store
+
+    kv = KV(open_zarr_store(store, read_only=True))
+    plan, reader = read_plan(kv), PlanReader(kv)
+    model = load_target(path, torch.bfloat16, "cuda")
+    base = base_model(model)
+    batches = []
+    for s in plan.segments:
+        sp = reader.segment(s["segment"])
+        lengths = [len(x) for x in sp.input_ids]
+        for b in make_batches(lengths, tokens_per_batch):
+            lens = [lengths[i] for i in b]
+            ids = torch.zeros((len(b), max(lens)), dtype=torch.long)
+            for r, i in enumerate(b):
+                ids[r, :lens[r]] = torch.from_numpy(sp.input_ids[i].astype("int64"))
+            batches.append((ids, lens))
+    with torch.inference_mode():
+        for ids, lens in batches[:3]:  # warm-up
+            base(input_ids=ids.cuda(), attention_mask=(torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long().cuda(), use_cache=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        n = 0
+        for ids, lens in batches:
+            mask = (torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long()
+            base(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
+            n += sum(lens)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    del model, base
+    torch.cuda.empty_cache()
+    return n / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True, help="a tokenizer folder (the embedded SmolLM2's)")
+    ap.add_argument("--work", default="/tmp/dflash-bench")
+    ap.add_argument("--tokens", type=int, default=400_000)
+    ap.add_argument("--tokens-per-batch", type=int, default=16384)
+    ap.add_argument("--codecs", default="bf16,fp8")
+    ap.add_argument("--gpus", default="1")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from dflash_pipeline.extract.pipeline import run_extract
+    from dflash_pipeline.schemas.config import ExtractConfig
+
+    os.makedirs(args.work, exist_ok=True)
+    target = os.path.join(args.work, "qwen3-8b-random")
+    data = os.path.join(args.work, "data.jsonl")
+    t = time.time()
+    build_target(target, args.tokenizer, QWEN3_8B)
+    write_data(data, args.tokens)
+    print(f"target and data ready in {time.time() - t:.0f}s", flush=True)
+    results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0),
+               "gpus": args.gpus, "shape": QWEN3_8B, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
+    baseline = None
+    for codec in args.codecs.split(","):
+        store = os.path.join(args.work, f"store-{codec}")
+        shutil.rmtree(store, ignore_errors=True)
+        cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
+                            tokens_per_batch=args.tokens_per_batch, segment_tokens=32768, gpus=args.gpus,
+                            dtype="bf16", tokenize_workers=1)
+        rec = run_extract(cfg)
+        steady = sum(w["tokens"] for w in rec["workers"]) / max(w["seconds"] for w in rec["workers"])
+        results["runs"][codec] = {"tokens": rec["tokens_this_run"], "tok_per_s": steady,
+                                  "bytes_per_token": rec["store"]["bytes_per_token"],
+                                  "compression_ratio": rec["store"]["compression_ratio"],
+                                  "codec_rel_rmse": rec["store"]["codec_rel_rmse"],
+                                  "wait_staging_s": [w["wait_staging_s"] for w in rec["workers"]],
+                                  "wait_write_s": [w["wait_write_s"] for w in rec["workers"]],
+                                  "seconds": [w["seconds"] for w in rec["workers"]]}
+        if baseline is None:
+            baseline = bare_forward(target, store, args.tokens_per_batch)
+            results["bare_forward_tok_per_s_1gpu"] = baseline
+        shutil.rmtree(store, ignore_errors=True)
+    n = int(args.gpus)
+    print(f"\n{results['gpu']} x{n}: bare forward (1 GPU) {baseline:,.0f} tok/s")
+    for codec, r in results["runs"].items():
+        ratio = r["tok_per_s"] / (baseline * n)
+        r["ratio_vs_bare_forward"] = ratio
+        print(f"  dflash extract {codec:5s}: {r['tok_per_s']:,.0f} tok/s = {ratio:.3f} x {n} x bare forward; "
+              f"{r['bytes_per_token']:,.0f} B/token ({r['compression_ratio']:.2f}x), "
+              f"blocked on staging {sum(r['wait_staging_s']):.1f}s, on writes {sum(r['wait_write_s']):.1f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""Streaming the store into a trainer: per-rank segment order, packing, worker processes, prefetch.
+
+Everything about an epoch's order is computed up front from the manifest alone (lengths, no data):
+- whole samples are held out for evaluation by a hash of their sample id (independent of world size);
+- segments are shuffled per epoch and dealt to ranks (rank r takes every world-th), so every rank
+  reads its own disjoint data and nobody broadcasts batches;
+- within a window of a few consecutive segments, samples are shuffled and packed into rows of
+  `row_len` tokens (a sample never straddles rows; attention never crosses samples);
+- every rank computes every rank's row count and all run the same number of steps (the few rows
+  beyond that are dropped), so no collective hangs at the end of an epoch.
+
+Reading and decoding happen in worker processes (one window at a time, whole segments, verified
+against their commit markers); rows come back through shared memory and are reassembled in order, so
+the batch sequence does not depend on the number of workers or their timing. A thread stacks rows
+into pinned buffers and starts the host-to-device copy on a side stream; the training loop only waits
+when data is really late, and that wait is measured (`data_wait`).
+
+Loader state is (epoch, batch index) plus what it was computed from; loading it refuses a changed
+world size, seed or store instead of resuming wrongly.
+
+Legend: R rows per batch, S row length, L layers, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from dflash_pipeline.errors import ConfigMismatchError, CorruptSegmentError
+
+LOADER_STATE_VERSION = 1
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = (x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(_MASK64)
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & np.uint64(_MASK64)
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & np.uint64(_MASK64)
+    return x ^ (x >> np.uint64(31))
+
+
+def eval_holdout(sample_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Bool per sample: held out for evaluation (a stable hash of the sample id, not its position)."""
+    if fraction <= 0:
+        return np.zeros(len(sample_ids), dtype=bool)
+    with np.errstate(over="ignore"):
+        h = _splitmix64(sample_ids.astype(np.uint64) ^ np.uint64(seed * 0x5851F42D4C957F2D & _MASK64))
+    return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+@dataclass
+class RowPiece:
+    row: int        # manifest row (sample)
+    n: int          # tokens taken from the sample's start
+
+
+@dataclass
+class Window:
+    index: int
+    segments: list[int]
+    rows: list[list[RowPiece]]
+
+
+@dataclass
+class EpochPlan:
+    epoch: int
+    windows: list[Window]           # this rank's
+    steps: int                      # batches every rank runs this epoch
+    rows_per_rank: list[int]
+
+    def batch_rows(self, rows_per_batch: int) -> list[tuple[int, int]]:
+        """(window index, row index) of every row this rank feeds, in order, cut to `steps` batches."""
+        out = [(w.index, i) for w in self.windows for i in range(len(w.rows))]
+        return out[: self.steps * rows_per_batch]
+
+
+class Manifest:
+    """The columns the planner needs, as numpy."""
+
+    def __init__(self, reader):
+        self.segment = reader.column("segment")
+        self.length = reader.column("length").astype(np.int64)
+        self.sample_id = reader.column("sample_id")
+        self.supervised = reader.column("supervised").astype(np.int64)
+
+
+def _pack(lengths: np.ndarray, rows_idx: np.ndarray, row_len: int) -> list[list[RowPiece]]:
+    rows, cur, used = [], [], 0
+    for r in rows_idx:
+        n = int(min(lengths[r], row_len))
+        if cur and used + n > row_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(RowPiece(int(r), n))
+        used += n
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def plan_epoch(man: Manifest, train_mask: np.ndarray, *, epoch: int, rank: int, world: int, seed: int,
+               row_len: int, rows_per_batch: int, window_segments: int = 2) -> EpochPlan:
+    """This rank's windows and rows for `epoch`, and the common step count of all ranks."""
+    usable = train_mask & (man.supervised >= 2)
+    segs = np.unique(man.segment[usable])
+    rng = np.random.default_rng([seed, epoch])
+    order = segs[rng.permutation(len(segs))]
+    by_seg: dict[int, np.ndarray] = {}
+    rows_all = np.nonzero(usable)[0]
+    seg_of = man.segment[rows_all]
+    sort = np.argsort(seg_of, kind="stable")
+    seg_sorted, rows_sorted = seg_of[sort], rows_all[sort]
+    starts = np.searchsorted(seg_sorted, segs, side="left")
+    ends = np.searchsorted(seg_sorted, segs, side="right")
+    for s, a, b in zip(segs, starts, ends):
+        by_seg[int(s)] = rows_sorted[a:b]
+
+    def rank_windows(r: int) -> list[Window]:
+        mine = order[r::world]
+        out = []
+        for w, a in enumerate(range(0, len(mine), window_segments)):
+            group = [int(s) for s in mine[a:a + window_segments]]
+            samples = np.concatenate([by_seg[s] for s in group])
+            wrng = np.random.default_rng([seed, epoch, r, w])
+            samples = samples[wrng.permutation(len(samples))]
+            out.append(Window(w, group, _pack(man.length, samples, row_len)))
+        return out
+
+    per_rank = [sum(len(w.rows) for w in rank_windows(r)) for r in range(world)]
+    steps = min(per_rank) // rows_per_batch
+    return EpochPlan(epoch, rank_windows(rank), steps, per_rank)
+
+
+@dataclass
+class LoaderState:
+    version: int = LOADER_STATE_VERSION
+    epoch: int = 0
+    batch: int = 0                   # batches already consumed in `epoch`
+    world: int = 1
+    rank: int = 0
+    seed: int = 0
+    store_fingerprint: str = ""
+    row_len: int = 0
+    rows_per_batch: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_compatible(self, other: "LoaderState") -> None:
+        """`self` is the saved state; refuse to resume it under different conditions."""
+        if self.version != other.version:
+            raise ConfigMismatchError(f"loader state version {self.version} != {other.version}")
+        for name in ("world", "seed", "store_fingerprint", "row_len", "rows_per_batch"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                raise ConfigMismatchError(f"cannot resume: the data loader was saved with {name}={a!r}, "
+                                          f"this run has {name}={b!r}")
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor          # [R, S] int64
+    loss_mask: torch.Tensor       # [R, S] bool
+    pos: torch.Tensor             # [R, S] int64, position within the sample
+    doc: torch.Tensor             # [R, S] int64, sample index within the row, -1 = padding
+    features: torch.Tensor        # [R, S, L*H] bf16, layers concatenated in layer-id order
+    topk_ids: torch.Tensor        # [R, S, K] int64
+    topk_logprobs: torch.Tensor   # [R, S, K] float32
+    num_tokens: int
+    sample_ids: list[int] = field(default_factory=list)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in
+                       ("tokens", "loss_mask", "pos", "doc", "features", "topk_ids", "topk_logprobs")),
+                     self.num_tokens, self.sample_ids)
+
+
+# -- building rows (runs in workers) ----------------------------------------------------------------
+
+def build_window_rows(reader, window: Window, man_cols: dict[str, np.ndarray], layers: list[int],
+                      row_len: int, strict: bool) -> tuple[list[dict[str, torch.Tensor]], list[str]]:
+    """Read the window's segments and assemble its rows. Corrupt segments: their samples become
+    padding (the row structure, hence the step count, stays), unless strict."""
+    segs, problems = {}, []
+    for s in window.segments:
+        try:
+            segs[s] = reader.read_segment(s, layers, verify=True)
+        except CorruptSegmentError as e:
+            if strict:
+                raise
+            problems.append(str(e))
+    K = reader.meta.topk
+    rows = []
+    for pieces in window.rows:
+        tokens = np.zeros(row_len, np.int64)
+        mask = np.zeros(row_len, bool)
+        pos = np.zeros(row_len, np.int64)
+        doc = np.full(row_len, -1, np.int64)
+        feats = None
+        ids = np.zeros((row_len, K), np.int64)
+        lps = np.zeros((row_len, K), np.float32)
+        sample_ids = []
+        at = 0
+        for j, p in enumerate(pieces):
+            seg = int(man_cols["segment"][p.row])
+            sd = segs.get(seg)
+            if sd is None:
+                at += p.n
+                continue
+            a = int(man_cols["offset"][p.row])
+            sl = slice(a, a + p.n)
+            dst = slice(at, at + p.n)
+            tokens[dst] = sd.tokens_T[sl]
+            mask[dst] = sd.loss_mask_T[sl]
+            pos[dst] = np.arange(p.n)
+            doc[dst] = j
+            h = sd.hidden_TLH[sl]
+            if feats is None:
+                feats = torch.zeros((row_len, h.shape[1] * h.shape[2]), dtype=h.dtype)
+            feats[dst] = h.reshape(p.n, -1)
+            ids[dst] = sd.topk_ids_TK[sl]
+            lps[dst] = sd.topk_logprobs_TK[sl]
+            sample_ids.append(int(man_cols["sample_id"][p.row]))
+            at += p.n
+        if feats is None:  # every sample of the row was in corrupt segments
+            feats = torch.zeros((row_len, len(layers) * reader.meta.target.hidden_size), dtype=torch.bfloat16)
+        rows.append({"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
+                     "pos": torch.from_numpy(pos), "doc": torch.from_numpy(doc), "features": feats,
+                     "topk_ids": torch.from_numpy(ids), "topk_logprobs": torch.from_numpy(lps),
+                     "sample_ids": sample_ids})
+    return rows, problems
+
+
+def _worker_main(url: str, windows: list[Window], man_cols: dict[str, np.ndarray], layers: list[int],
+                 row_len: int, strict: bool, out_q, stop) -> None:
+    from dflash_pipeline.store.reader import StoreReader
+
+    torch.set_num_threads(1)
+    try:
+        reader = StoreReader(url)
+        for w in windows:
+            if stop.is_set():
+                return
+            rows, problems = build_window_rows(reader, w, man_cols, layers, row_len, strict)
+            out_q.put(("window", w.index, rows, problems))
+    except BaseException as e:  # surfaced in the trainer with its message
+        out_q.put(("error", repr(e) if not isinstance(e, CorruptSegmentError) else str(e), None, None))
+    # Tensors travel as shared-memory file descriptors that this process serves: stay alive until
+    # the trainer has taken everything.
+    stop.wait()
+
+
+class StreamingLoader:
+    """Yields this rank's batches for an epoch, from a given batch index, with prefetch."""
+
+    def __init__(self, reader, *, layers: list[int], rank: int, world: int, seed: int, row_len: int,
+                 rows_per_batch: int, eval_fraction: float = 0.0, num_workers: int = 2,
+                 window_segments: int = 2, prefetch: int = 2, device: torch.device | None = None,
+                 strict: bool = False):
+        self.reader, self.layers = reader, list(layers)
+        self.rank, self.world, self.seed = rank, world, seed
+        self.row_len, self.rows_per_batch = row_len, rows_per_batch
+        self.num_workers, self.window_segments, self.prefetch = num_workers, window_segments, prefetch
+        self.device = device or torch.device("cpu")
+        self.strict = strict
+        self.man = Manifest(reader)
+        self.holdout = eval_holdout(self.man.sample_id, eval_fraction, seed)
+        self.man_cols = {"segment": self.man.segment, "offset": reader.column("offset"),
+                         "sample_id": self.man.sample_id}
+        self.data_wait = 0.0
+        self.corrupt: list[str] = []
+        self._plans: dict[int, EpochPlan] = {}
+
+    # -- planning -------------------------------------------------------------------------------------
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        if epoch not in self._plans:
+            self._plans = {epoch: plan_epoch(self.man, ~self.holdout, epoch=epoch, rank=self.rank, world=self.world,
+                                             seed=self.seed, row_len=self.row_len, rows_per_batch=self.rows_per_batch,
+                                             window_segments=self.window_segments)}
+        return self._plans[epoch]
+
+    def steps_per_epoch(self) -> int:
+        return self.epoch_plan(0).steps
+
+    def eval_rows(self) -> np.ndarray:
+        """Manifest rows of held-out samples (every rank sees the same list)."""
+        return np.nonzero(self.holdout)[0]
+
+    def state(self, epoch: int, batch: int) -> LoaderState:
+        return LoaderState(epoch=epoch, batch=batch, world=self.world, rank=self.rank, seed=self.seed,
+                           store_fingerprint=store_fingerprint(self.reader), row_len=self.row_len,
+                           rows_per_batch=self.rows_per_batch)
+
+    # -- iteration ------------------------------------------------------------------------------------
+
+    def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        plan = self.epoch_plan(epoch)
+        order = plan.batch_rows(self.rows_per_batch)[start_batch * self.rows_per_batch:]
+        if not order:
+            return
+        needed = sorted({w for w, _ in order})
+        windows = [plan.windows[w] for w in needed]
+        rows_iter = self._rows(windows, set(order))
+        yield from self._prefetched(self._batches(rows_iter))
+
+    def _rows(self, windows: list[Window], wanted: set[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+        """Rows in window order, built in worker processes (or inline with num_workers=0)."""
+        if self.num_workers == 0:
+            for w in windows:
+                rows, problems = build_window_rows(self.reader, w, self.man_cols, self.layers, self.row_len, self.strict)
+                self._note(problems)
+                for i, r in enumerate(rows):
+                    if (w.index, i) in wanted:
+                        yield r
+            return
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        out_q = ctx.Queue(maxsize=max(2, self.num_workers))
+        stop = ctx.Event()
+        procs = []
+        for k in range(self.num_workers):
+            mine = windows[k::self.num_workers]
+            p = ctx.Process(target=_worker_main, args=(self.reader.url, mine, self.man_cols, self.layers,
+                                                       self.row_len, self.strict, out_q, stop), daemon=True)
+            p.start()
+            procs.append(p)
+        pending: dict[int, list] = {}
+        try:
+            for w in windows:
+                while w.index not in pending:
+                    try:
+                        kind, idx, rows, problems = out_q.get(timeout=5.0)
+                    except queue.Empty:
+                        dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                        if dead:
+                            raise RuntimeError(f"data loader worker died (exit code {dead[0].exitcode})")
+                        continue
+                    if kind == "error":
+                        if idx.startswith(self.reader.url):  # a store problem, already one clear line
+                            raise _loader_error(idx)
+                        raise RuntimeError(f"data loader worker failed: {idx}")
+                    self._note(problems)
+                    pending[idx] = rows
+                rows = pending.pop(w.index)
+                for i, r in enumerate(rows):
+                    if (w.index, i) in wanted:
+                        yield r
+        finally:
+            stop.set()
+            for p in procs:
+                p.join(timeout=1.0)
+                if p.is_alive():
+                    p.terminate()
+
+    def _note(self, problems: list[str]) -> None:
+        for msg in problems:
+            if msg not in self.corrupt:
+                self.corrupt.append(msg)
+                warnings.warn(f"skipping corrupt segment: {msg}", stacklevel=2)
+
+    def _batches(self, rows: Iterator[dict[str, Any]]) -> Iterator[Batch]:
+        buf = []
+        for r in rows:
+            buf.append(r)
+            if len(buf) == self.rows_per_batch:
+                yield _stack(buf)
+                buf = []
+
+    def _prefetched(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """A thread stacks into pinned memory and starts the copy; the loop waits only when data is late."""
+        cuda = self.device.type == "cuda"
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        done = object()
+        err: list[BaseException] = []
+
+        ring = _PinnedRing(self.prefetch + 2) if cuda else None
+
+        def produce():
+            try:
+                for b in batches:
+                    if cuda:
+                        b = ring.stage(b)
+                        with torch.cuda.stream(stream):
+                            d = b.to(self.device, non_blocking=True)
+                            ev = torch.cuda.Event()
+                            ev.record(stream)
+                        ring.last_event = ev
+                        q.put((d, ev))
+                    else:
+                        q.put((b, None))
+            except BaseException as e:
+                err.append(e)
+            finally:
+                q.put(done)
+
+        t = threading.Thread(target=produce, name="dflash-prefetch", daemon=True)
+        t.start()
+        while True:
+            t0 = time.perf_counter()
+            item = q.get()
+            self.data_wait += time.perf_counter() - t0
+            if item is done:
+                break
+            b, ev = item
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            yield b
+        t.join()
+        if err:
+            raise err[0]
+
+
+def _loader_error(msg: str) -> Exception:
+    from dflash_pipeline.errors import StoreError
+
+    return StoreError(msg)
+
+
+def _stack(rows: list[dict[str, Any]]) -> Batch:
+    return Batch(
+        tokens=torch.stack([r["tokens"] for r in rows]), loss_mask=torch.stack([r["loss_mask"] for r in rows]),
+        pos=torch.stack([r["pos"] for r in rows]), doc=torch.stack([r["doc"] for r in rows]),
+        features=torch.stack([r["features"] for r in rows]), topk_ids=torch.stack([r["topk_ids"] for r in rows]),
+        topk_logprobs=torch.stack([r["topk_logprobs"] for r in rows]),
+        num_tokens=int(sum(int((r["doc"] >= 0).sum()) for r in rows)),
+        sample_ids=[s for r in rows for s in r["sample_ids"]],
+    )
+
+
+class _PinnedRing:
+    """Reused pinned host buffers (pinning per batch costs more than the copy). A slot is refilled
+    only after the device copy that read it has finished."""
+
+    FIELDS = ("tokens", "loss_mask", "pos", "doc", "features", "topk_ids", "topk_logprobs")
+
+    def __init__(self, slots: int):
+        self.slots: list[dict[str, torch.Tensor] | None] = [None] * slots
+        self.events: list[Any] = [None] * slots
+        self.i = 0
+        self.last_event = None
+
+    def stage(self, b: Batch) -> Batch:
+        if self.last_event is not None:  # the previous slot's copy was recorded after staging it
+            self.events[(self.i - 1) % len(self.slots)] = self.last_event
+            self.last_event = None
+        k = self.i % len(self.slots)
+        self.i += 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        slot = self.slots[k]
+        if slot is None or any(slot[f].shape != getattr(b, f).shape for f in self.FIELDS):
+            slot = {f: torch.empty_like(getattr(b, f)).pin_memory() for f in self.FIELDS}
+            self.slots[k] = slot
+        for f in self.FIELDS:
+            slot[f].copy_(getattr(b, f))
+        return Batch(*(slot[f] for f in self.FIELDS), b.num_tokens, b.sample_ids)
+
+
+def store_fingerprint(reader) -> str:
+    """What a resumed run must find unchanged: the store's identity and its sample index."""
+    import hashlib
+
+    m = reader.meta
+    h = hashlib.sha256()
+    h.update(f"{m.target.config_hash}|{m.tokenizer.hash}|{m.layer_ids}|{m.codec}|{m.data_fingerprint}|{reader.num_samples}".encode())
+    h.update(np.ascontiguousarray(reader.column("sample_id")).tobytes())
+    return h.hexdigest()[:32]
