@@ -56,3 +56,47 @@ def write_random_store(url: str, *, codec: str = "bf16", segments: int = 3, samp
     if manifest:
         rebuild_manifest(writer.kv)
     return ref
+
+
+def make_tiny_target(out_dir, tokenizer_dir, *, hidden: int = 64, layers: int = 6, seed: int = 0):
+    """A random-weight Llama with the real SmolLM2 tokenizer: a fast stand-in target for pipeline tests."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
+                      tie_word_embeddings=True, rope_theta=10000.0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # real embeddings have norms far above a 0.02-std init; logits need the range
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    for f in Path(tokenizer_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def write_conversations(path, n: int = 40, seed: int = 0):
+    """ShareGPT-style conversations with learnable structure (counting, repeated phrases)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "maple", "copper", "violet"]
+    rows = []
+    for i in range(n):
+        a = rng.randint(1, 50)
+        seq = " ".join(str(a + k) for k in range(rng.randint(8, 30)))
+        phrase = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+        rows.append({"conversations": [
+            {"from": "human", "value": f"Count up from {a} and then repeat: {phrase}"},
+            {"from": "gpt", "value": f"{seq}. Repeating: {phrase} {phrase}."},
+        ]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

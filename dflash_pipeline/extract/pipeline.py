@@ -296,7 +296,6 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
 
 def worker_main(cfg: ExtractConfig, prep: Prepared, rank: int, world: int, local_rank: int, kind: str,
                 line: LiveLine) -> dict[str, Any]:
-    torch.set_grad_enabled(False)
     mine = prep.pending[rank::world]
     write_target = rank == 0 and prep.needs_target
     if not mine and not write_target:

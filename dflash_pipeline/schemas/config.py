@@ -132,6 +132,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.block_size < 2:
             raise ValueError("--block-size must be >= 2")
+        if self.gamma is None and self.block_size not in (8, 10, 16):
+            raise ValueError(f"--gamma: no published loss decay for block size {self.block_size} "
+                             "(7 for 16, 5 for 10, 4 for 8); pass --gamma")
         if self.tokens_per_batch % self.max_length:
             raise ValueError(f"--tokens-per-batch ({self.tokens_per_batch}) must be a multiple of "
                              f"--max-length ({self.max_length}): a batch is rows of max-length tokens")

@@ -1,0 +1,215 @@
+"""`dflash train` end to end on a store written by `dflash extract` from a tiny random target:
+loader determinism and resume, equal steps per rank, held-out split, exact trainer resume, DDP on two
+CPU processes, SIGTERM, refusals, corrupt segments."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.errors import ConfigMismatchError, DFlashError
+from dflash_pipeline.extract.pipeline import run_extract
+from dflash_pipeline.schemas.config import ExtractConfig, TrainConfig
+from dflash_pipeline.store.reader import StoreReader
+from dflash_pipeline.train.data import LoaderState, Manifest, StreamingLoader, eval_holdout, plan_epoch
+from dflash_pipeline.train.trainer import run_train
+from helpers import make_tiny_target, write_conversations
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory, smollm_dir):
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_target(root / "target", smollm_dir)
+    data = write_conversations(root / "conv.jsonl", n=60)
+    out = str(root / "store")
+    run_extract(ExtractConfig(out=out, target=str(target), data=[str(data)], max_length=128, topk=4,
+                              tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1, quiet=True,
+                              device="cpu", num_features=3))
+    return out
+
+
+def _cfg(store, out, **kw) -> TrainConfig:
+    base = dict(store=store, out=str(out), steps=6, num_layers=1, block_size=4, gamma=3.0, max_anchors=8,
+                tokens_per_batch=256, max_length=128, eval_fraction=0.1, log_every=1, save_every=1000,
+                num_workers=0, device="cpu", quiet=True, lr=3e-3, warmup_ratio=0.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _batches(loader, epoch=0, start=0, n=None):
+    out = []
+    for i, b in enumerate(loader.iter_epoch(epoch, start)):
+        out.append(b)
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def _loader(store, **kw):
+    r = StoreReader(store)
+    base = dict(layers=r.meta.layer_ids, rank=0, world=1, seed=3, row_len=128, rows_per_batch=2, eval_fraction=0.1,
+                num_workers=0)
+    base.update(kw)
+    return StreamingLoader(r, **base)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.tokens, y.tokens) and torch.equal(x.doc, y.doc)
+        assert torch.equal(x.features.view(torch.int16), y.features.view(torch.int16))
+        assert torch.equal(x.topk_ids, y.topk_ids)
+
+
+def test_loader_resume_gives_the_next_batches(tiny_store):
+    full = _batches(_loader(tiny_store))
+    assert len(full) >= 4
+    loader = _loader(tiny_store)
+    first = _batches(loader, n=2)
+    state = loader.state(0, 2)
+    again = _loader(tiny_store)
+    state.check_compatible(again.state(0, 0))
+    rest = _batches(again, 0, state.batch)
+    _same(first + rest, full)
+
+
+def test_workers_do_not_change_the_order(tiny_store):
+    _same(_batches(_loader(tiny_store, num_workers=2)), _batches(_loader(tiny_store, num_workers=0)))
+
+
+def test_loader_state_refuses_other_world_size(tiny_store):
+    saved = _loader(tiny_store, world=1).state(0, 3)
+    with pytest.raises(ConfigMismatchError, match="world=1"):
+        saved.check_compatible(_loader(tiny_store, world=2, rank=1).state(0, 0))
+
+
+def test_ranks_are_disjoint_and_run_equal_steps(tiny_store):
+    r = StoreReader(tiny_store)
+    man = Manifest(r)
+    train = ~eval_holdout(man.sample_id, 0.1, 3)
+    plans = [plan_epoch(man, train, epoch=1, rank=k, world=3, seed=3, row_len=128, rows_per_batch=1) for k in range(3)]
+    assert len({p.steps for p in plans}) == 1 and plans[0].steps == min(plans[0].rows_per_rank)
+    segs = [set(s for w in p.windows for s in w.segments) for p in plans]
+    assert not (segs[0] & segs[1]) and not (segs[1] & segs[2]) and not (segs[0] & segs[2])
+    # no held-out sample in any training row; every usable training sample is in exactly one row
+    rows = [piece.row for p in plans for w in p.windows for row in w.rows for piece in row]
+    assert len(rows) == len(set(rows))
+    assert not (set(rows) & set(np.nonzero(~train)[0].tolist()))
+
+
+def test_holdout_is_stable_and_near_fraction():
+    ids = np.arange(20000)
+    h = eval_holdout(ids, 0.05, 0)
+    assert 0.04 < h.mean() < 0.06
+    assert np.array_equal(h[:100], eval_holdout(ids[:100], 0.05, 0))  # depends on the id, not the position
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == "train":
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def test_resume_equals_uninterrupted(tiny_store, tmp_path):
+    full = tmp_path / "full"
+    run_train(_cfg(tiny_store, full, steps=7, ema=0.9, feature_noise=0.05, kl_weight=0.3, cap_weight=0.1))
+    split = tmp_path / "split"
+    first = run_train(_cfg(tiny_store, split, steps=7, ema=0.9, feature_noise=0.05, kl_weight=0.3, cap_weight=0.1,
+                           stop_after=3))
+    assert not first["finished"] and first["step"] == 3
+    second = run_train(_cfg(tiny_store, split, steps=7, ema=0.9, feature_noise=0.05, kl_weight=0.3, cap_weight=0.1,
+                            resume=True))
+    assert second["finished"]
+    a, b = _losses(full), _losses(split)
+    assert [a[s] for s in range(1, 8)] == [b[s] for s in range(1, 8)]
+    wa = (full / "final" / "model.safetensors").read_bytes()
+    wb = (split / "final" / "model.safetensors").read_bytes()
+    assert wa == wb
+
+
+def test_resume_refuses_changed_config_or_store(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    run_train(_cfg(tiny_store, run, steps=4, stop_after=2))
+    with pytest.raises(ConfigMismatchError, match="lr: checkpoint has 0.003, this run has 0.001"):
+        run_train(_cfg(tiny_store, run, steps=4, lr=1e-3, resume=True))
+    with pytest.raises(DFlashError, match="no checkpoint"):
+        run_train(_cfg(tiny_store, tmp_path / "empty", steps=4, resume=True))
+
+
+def test_kl_without_topk_is_refused(tmp_path, smollm_dir):
+    target = make_tiny_target(tmp_path / "t", smollm_dir)
+    data = write_conversations(tmp_path / "c.jsonl", n=6)
+    store = str(tmp_path / "s")
+    run_extract(ExtractConfig(out=store, target=str(target), data=[str(data)], max_length=128, topk=0,
+                              tokenize_workers=1, quiet=True, device="cpu", num_features=2))
+    with pytest.raises(DFlashError, match="--kl-weight needs the teacher's top-k"):
+        run_train(_cfg(store, tmp_path / "r", kl_weight=0.5))
+
+
+def test_training_learns(tiny_store, tmp_path):
+    run = tmp_path / "learn"
+    summary = run_train(_cfg(tiny_store, run, steps=40, num_layers=2, lr=5e-3, log_every=5))
+    losses = _losses(run)
+    assert losses[40] < 0.7 * losses[5]
+    ev = summary["eval"]
+    assert ev["samples"] > 0 and 1.0 <= ev["tau_chain"] <= 4.0 and ev["acc"] > 0.05
+    cfg = json.loads((run / "final" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+
+
+def test_two_ddp_processes(tiny_store, tmp_path):
+    run = tmp_path / "ddp"
+    summary = run_train(_cfg(tiny_store, run, steps=3, num_procs=2))
+    assert summary["finished"] and summary["step"] == 3
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["world_size"] == 2
+    assert all(np.isfinite(v) for v in _losses(run).values())
+
+
+def test_sigterm_checkpoints_and_resumes(tiny_store, tmp_path):
+    run = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "dflash_pipeline", "train", "--store", tiny_store, "--out", str(run),
+           "--steps", "400", "--num-layers", "1", "--block-size", "4", "--gamma", "3", "--max-anchors", "8", "--tokens-per-batch", "256",
+           "--max-length", "128", "--log-every", "1", "--num-workers", "0", "--device", "cpu", "--save-every", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"continue with --resume" in err
+    state = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "trainer_state.json").read_text())
+    assert 2 <= state["step"] < 400
+
+
+def test_corrupt_segment_skipped_or_strict(tiny_store, tmp_path):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    seg = sorted((store / "segments").iterdir())[0]
+    (seg / "hidden" / "c" / "0" / "0" / "0").unlink()
+    summary = run_train(_cfg(str(store), tmp_path / "skip", steps=None, epochs=1.0))
+    assert summary["finished"] and len(summary["corrupt_segments_skipped"]) == 1
+    assert f"segment {seg.name}" in summary["corrupt_segments_skipped"][0]
+    from dflash_pipeline.errors import StoreError
+
+    with pytest.raises(StoreError, match=f"segment {seg.name}"):
+        run_train(_cfg(str(store), tmp_path / "strict", steps=None, epochs=1.0, strict=True))
