@@ -22,8 +22,18 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
+DFLASH := $(VENV)/bin/dflash
+
+# The main job on the embedded default, small enough for 2 CPU cores: extract a few hundred real
+# conversations, inspect the store, train a small drafter that visibly learns, measure real acceptance.
 demo: $(STAMP)
-	$(PY) -m dflash_pipeline demo --out $(DEMO)
+	$(DFLASH) extract --out $(DEMO)/store --limit 160 --max-length 512 --segment-tokens 8192 --tokens-per-batch 4096
+	$(DFLASH) store stats $(DEMO)/store --plot $(DEMO)/store-stats.png
+	rm -rf $(DEMO)/run
+	$(DFLASH) train --store $(DEMO)/store --out $(DEMO)/run --epochs 3 --num-layers 2 --block-size 8 \
+		--max-anchors 64 --max-length 512 --tokens-per-batch 1024 --lr 1e-3 --eval-fraction 0.08 \
+		--log-every 10 --num-workers 1
+	$(DFLASH) eval --drafter $(DEMO)/run/final --num-prompts 8 --max-new-tokens 64
 
 bench-cpu: $(STAMP)
 	$(PY) bench/store_codecs.py

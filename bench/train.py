@@ -1,0 +1,162 @@
+"""Training-step benchmark on one GPU: our fused step against a conventional one, and the memory case.
+
+  step      Qwen3-8B-shaped drafter (5 layers, hidden 4096, intermediate 12288, 32/8 heads, vocab
+            151,936), rows of 4 x 3,072 tokens, 512 anchors per row, block 16, gamma 7: step time,
+            input and block tok/s, peak memory and MFU (model FLOPs without recompute over the step
+            time and the 790 TFLOP/s measured bf16 peak), and in the same run the conventional step
+            (chunked CE under activation checkpointing: the frozen head runs forward, again in the
+            recompute, and once more for the metrics). Goal: MFU >= 60%.
+  memory    hidden 5120, vocab 248,320, intermediate 17,408, 5 layers, block 32, 1,024 anchors,
+            one 49,152-token row, KL on: the case that crashed an online pipeline. Goal: peak < 80 GB.
+
+    python bench/train.py [--only step|memory] [--steps 10] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dflash_pipeline.train.data import Batch  # noqa: E402
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights  # noqa: E402
+from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks, step_flops  # noqa: E402
+
+PEAK = 790e12
+
+
+def make_batch(R: int, S: int, L: int, H: int, V: int, K: int, device) -> Batch:
+    g = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, V, (R, S), device=device, generator=g)
+    return Batch(tokens=tokens, loss_mask=torch.ones(R, S, dtype=torch.bool, device=device),
+                 pos=torch.arange(S, device=device)[None].expand(R, S).contiguous(),
+                 doc=torch.zeros(R, S, dtype=torch.long, device=device),
+                 features=torch.randn(R, S, L * H, device=device, dtype=torch.bfloat16, generator=g),
+                 topk_ids=torch.randint(0, V, (R, S, K), device=device, generator=g),
+                 topk_logprobs=torch.log_softmax(torch.randn(R, S, K, device=device, generator=g), -1), num_tokens=R * S)
+
+
+def conventional_loss(hidden_NH, head_VH, labels, weights, chunk=2048):
+    """The public trainers' approach: chunked CE, each chunk under activation checkpointing, metrics in
+    a separate pass. The head runs three times per chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    def ce(h, y, w):
+        logits = (h @ head_VH.T).float()
+        return (F.cross_entropy(logits, y, reduction="none") * w).sum()
+
+    total = hidden_NH.new_zeros((), dtype=torch.float32)
+    correct = 0
+    for a in range(0, hidden_NH.shape[0], chunk):
+        h, y, w = hidden_NH[a:a + chunk], labels[a:a + chunk], weights[a:a + chunk]
+        total = total + checkpoint(ce, h, y, w, use_reentrant=False)
+        with torch.no_grad():
+            correct += int(((h @ head_VH.T).argmax(-1) == y).sum())
+    return total / weights.sum()
+
+
+def timed_steps(fn, steps: int) -> tuple[float, float]:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2 ** 30
+
+
+def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True):
+    device = torch.device("cuda")
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                        head_dim=128, vocab_size=V, block_size=B, mask_token_id=V - 1,
+                        target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1e6)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    head = (torch.randn(V, H, device=device) * 0.02).bfloat16()
+    frozen = Frozen(head, head)
+    batch = make_batch(R, S, 5, H, V, 32, device)
+    gamma = {16: 7.0, 32: 10.0}.get(B, 7.0)
+    g = torch.Generator(device=device).manual_seed(1)
+    anchors = draw_anchors(batch, anchors, g)
+    flops = {}
+
+    def ours():
+        opt.zero_grad(set_to_none=True)
+        out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma,
+                         kl_weight=0.15 if kl else 0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=4096, g=g,
+                         autocast=True)
+        out.loss.backward()
+        opt.step()
+        flops["f"] = step_flops(cfg, out, R * S)
+        flops["block_tokens"] = out.block_tokens
+
+    t, mem = timed_steps(ours, steps)
+    res = {"case": name, "step_s": t, "peak_gib": mem, "input_tok_s": R * S / t,
+           "block_tok_s": flops["block_tokens"] / t, "mfu": flops["f"] / t / PEAK, "model_tflops_per_step": flops["f"] / 1e12}
+    if conventional:
+        from dflash_pipeline.train.blocks import build_blocks
+
+        def conv():
+            opt.zero_grad(set_to_none=True)
+            blocks = build_blocks(batch.tokens, batch.pos, batch.doc, batch.loss_mask, anchors, block_size=B,
+                                  mask_token_id=cfg.mask_token_id, gamma=gamma)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                hid = model(batch.features, batch.pos, batch.doc, head[blocks.token_ids_RQ], blocks.pos_RQ,
+                            blocks.doc_RQ, blocks.block_id_RQ)
+            sel = blocks.weights_RQ.reshape(-1) > 0
+            loss = conventional_loss(hid.reshape(-1, H)[sel].bfloat16(), head, blocks.labels_RQ.reshape(-1)[sel],
+                                     blocks.weights_RQ.reshape(-1)[sel])
+            loss.backward()
+            opt.step()
+
+        t2, mem2 = timed_steps(conv, steps)
+        res.update(baseline_step_s=t2, baseline_peak_gib=mem2, speedup_vs_baseline=t2 / t)
+    del model, opt
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=["step", "memory"], default=None)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "results": []}
+    if args.only in (None, "step"):
+        out["results"].append(bench_case("qwen3-8b drafter, 4x3072, 512 anchors, B=16", H=4096, I=12288, heads=32,
+                                         kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps))
+    if args.only in (None, "memory"):
+        out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
+                                         H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
+                                         kl=True, steps=max(3, args.steps // 3), conventional=False))
+    for r in out["results"]:
+        line = (f"{r['case']}: {r['step_s'] * 1e3:.0f} ms/step, {r['input_tok_s']:,.0f} input tok/s, "
+                f"{r['block_tok_s']:,.0f} block tok/s, MFU {r['mfu']:.1%}, peak {r['peak_gib']:.1f} GiB")
+        if "baseline_step_s" in r:
+            line += (f"; conventional {r['baseline_step_s'] * 1e3:.0f} ms, {r['baseline_peak_gib']:.1f} GiB "
+                     f"-> {r['speedup_vs_baseline']:.2f}x")
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
