@@ -160,9 +160,10 @@ def _report_counts(report) -> dict[str, Any]:
     """The data report's counters and its first problems (file, row, reason), JSON-ready."""
     import dataclasses
 
-    d = dataclasses.asdict(report)
-    d["problems"] = d.get("problems", [])[:50]
+    # Not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, which counts the pairs.
+    d = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
     d["skipped_by_reason"] = dict(d.get("skipped_by_reason", {}))
+    d["problems"] = [dataclasses.asdict(p) for p in d.get("problems", [])[:50]]
     return d
 
 

@@ -168,20 +168,26 @@ class TargetRunner:
         """Forward one right-padded batch; outputs only the real tokens, rows concatenated."""
         B, S = input_ids_BS.shape
         attn = torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]
+        # Row-major indices of the real tokens, built on the host: selecting with a boolean mask on the
+        # device would stall the host until the forward is done.
+        keep = torch.cat([r * S + torch.arange(n) for r, n in enumerate(lengths)])
+        if self.input_device.type == "cuda":
+            keep = keep.pin_memory()
+        keep = keep.to(self.input_device, non_blocking=True)
         ids = input_ids_BS.to(self.input_device)
         attn = attn.to(self.input_device)
         self._captured.clear()
         out = base_model(self.model)(input_ids=ids, attention_mask=attn.long(), use_cache=False)
         final = out.last_hidden_state
-        flat = attn.reshape(-1)
         # [B, S, L, H] -> real tokens only, [N, L, H]
         hidden = torch.stack([self._captured[k].to(self.input_device) for k in self.layer_ids], dim=2)
-        hidden = hidden.reshape(B * S, len(self.layer_ids), -1)[flat]
+        hidden = hidden.reshape(B * S, len(self.layer_ids), -1).index_select(0, keep)
         self._captured.clear()
         if self.topk:
-            top_ids, top_lps = self._logprobs_topk(final.reshape(B * S, -1)[flat.to(final.device)])
+            final = final.reshape(B * S, -1).index_select(0, keep.to(final.device))
+            top_ids, top_lps = self._logprobs_topk(final)
         else:
-            n = int(flat.sum())
+            n = sum(lengths)
             top_ids = torch.zeros((n, 0), dtype=torch.int32, device=hidden.device)
             top_lps = torch.zeros((n, 0), dtype=torch.float16, device=hidden.device)
         return BatchOutput(hidden, top_ids.to(hidden.device), top_lps.to(hidden.device), list(lengths))

@@ -367,15 +367,15 @@ class StreamingLoader:
                 self.corrupt.append(msg)
                 warnings.warn(f"skipping corrupt segment: {msg}", stacklevel=2)
 
-    def _batches(self, rows: Iterator[dict[str, Any]]) -> Iterator[Batch]:
+    def _batches(self, rows: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
         buf = []
         for r in rows:
             buf.append(r)
             if len(buf) == self.rows_per_batch:
-                yield _stack(buf)
+                yield buf
                 buf = []
 
-    def _prefetched(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+    def _prefetched(self, batches: Iterator[list[dict[str, Any]]]) -> Iterator[Batch]:
         """A thread stacks into pinned memory and starts the copy; the loop waits only when data is late."""
         cuda = self.device.type == "cuda"
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
@@ -387,9 +387,9 @@ class StreamingLoader:
 
         def produce():
             try:
-                for b in batches:
+                for rows in batches:
                     if cuda:
-                        b = ring.stage(b)
+                        b = ring.stage(rows)
                         with torch.cuda.stream(stream):
                             d = b.to(self.device, non_blocking=True)
                             ev = torch.cuda.Event()
@@ -397,7 +397,7 @@ class StreamingLoader:
                         ring.last_event = ev
                         q.put((d, ev))
                     else:
-                        q.put((b, None))
+                        q.put((_stack(rows), None))
             except BaseException as e:
                 err.append(e)
             finally:
@@ -426,15 +426,12 @@ def _loader_error(msg: str) -> Exception:
     return StoreError(msg)
 
 
+def _stack_meta(rows: list[dict[str, Any]]) -> tuple[int, list[int]]:
+    return (int(sum(int((r["doc"] >= 0).sum()) for r in rows)), [s for r in rows for s in r["sample_ids"]])
+
+
 def _stack(rows: list[dict[str, Any]]) -> Batch:
-    return Batch(
-        tokens=torch.stack([r["tokens"] for r in rows]), loss_mask=torch.stack([r["loss_mask"] for r in rows]),
-        pos=torch.stack([r["pos"] for r in rows]), doc=torch.stack([r["doc"] for r in rows]),
-        features=torch.stack([r["features"] for r in rows]), topk_ids=torch.stack([r["topk_ids"] for r in rows]),
-        topk_logprobs=torch.stack([r["topk_logprobs"] for r in rows]),
-        num_tokens=int(sum(int((r["doc"] >= 0).sum()) for r in rows)),
-        sample_ids=[s for r in rows for s in r["sample_ids"]],
-    )
+    return Batch(*(torch.stack([r[f] for r in rows]) for f in _PinnedRing.FIELDS), *_stack_meta(rows))
 
 
 class _PinnedRing:
@@ -449,7 +446,8 @@ class _PinnedRing:
         self.i = 0
         self.last_event = None
 
-    def stage(self, b: Batch) -> Batch:
+    def stage(self, rows: list[dict[str, Any]]) -> Batch:
+        """Stack rows straight into a pinned slot (one copy from the workers' shared memory)."""
         if self.last_event is not None:  # the previous slot's copy was recorded after staging it
             self.events[(self.i - 1) % len(self.slots)] = self.last_event
             self.last_event = None
@@ -458,12 +456,14 @@ class _PinnedRing:
         if self.events[k] is not None:
             self.events[k].synchronize()
         slot = self.slots[k]
-        if slot is None or any(slot[f].shape != getattr(b, f).shape for f in self.FIELDS):
-            slot = {f: torch.empty_like(getattr(b, f)).pin_memory() for f in self.FIELDS}
+        shapes = {f: (len(rows), *rows[0][f].shape) for f in self.FIELDS}
+        if slot is None or any(tuple(slot[f].shape) != shapes[f] for f in self.FIELDS):
+            slot = {f: torch.empty(shapes[f], dtype=rows[0][f].dtype).pin_memory() for f in self.FIELDS}
             self.slots[k] = slot
         for f in self.FIELDS:
-            slot[f].copy_(getattr(b, f))
-        return Batch(*(slot[f] for f in self.FIELDS), b.num_tokens, b.sample_ids)
+            torch.stack([r[f] for r in rows], out=slot[f])
+        meta = _stack_meta(rows)
+        return Batch(*(slot[f] for f in self.FIELDS), *meta)
 
 
 def store_fingerprint(reader) -> str:
