@@ -413,7 +413,12 @@ class StreamingLoader:
                 break
             b, ev = item
             if ev is not None:
-                torch.cuda.current_stream(self.device).wait_event(ev)
+                main = torch.cuda.current_stream(self.device)
+                main.wait_event(ev)
+                # Allocated on the copy stream, used on the main one: tell the allocator, or it could
+                # hand the memory to the next copy while kernels still read it.
+                for f in _PinnedRing.FIELDS:
+                    getattr(b, f).record_stream(main)
             yield b
         t.join()
         if err:
