@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from typing import Optional
 
 import typer
+
+# Tokenization runs in our own worker processes; the tokenizers library's thread pool on top of that
+# only slows it down (and warns after a fork).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train DFlash speculative-decoding drafters from an offline feature store.")

@@ -313,7 +313,8 @@ class StreamingLoader:
 
     def _rows(self, windows: list[Window], wanted: set[tuple[int, int]]) -> Iterator[dict[str, Any]]:
         """Rows in window order, built in worker processes (or inline with num_workers=0)."""
-        if self.num_workers == 0:
+        # A memory:// store lives in this process only: worker processes would see an empty one.
+        if self.num_workers == 0 or self.reader.url.startswith("memory://"):
             for w in windows:
                 rows, problems = build_window_rows(self.reader, w, self.man_cols, self.layers, self.row_len, self.strict)
                 self._note(problems)
