@@ -1,0 +1,397 @@
+"""`dflash eval`: speculative decoding must be exactly the target's decoding, and must say so.
+
+- T = 0: a random drafter through the whole `run_eval` path reproduces the real SmolLM2's greedy output
+  token for token; an oracle drafter (the target's own continuation) is accepted in full blocks; a
+  broken verifier is caught and names the prompt.
+- T > 0: on a tiny random Llama with 6 tokens, the joint distribution of the first 4 generated tokens
+  over 2000 speculative runs matches the target's exact sampling distribution (chi-square, alpha 1e-3),
+  while the same test clearly rejects the distribution that a loop accepting every draft would give.
+  The acceptance rule itself is checked against min(1, p/q) and normalize(max(p - q, 0)).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from dflash_pipeline.errors import DFlashError
+from dflash_pipeline.eval import speculative
+from dflash_pipeline.eval.models import Target, stop_token_ids
+from dflash_pipeline.eval.report import PromptResult, render_report, summarize
+from dflash_pipeline.eval.run import EvalConfig, evaluate, run_eval
+from dflash_pipeline.eval.speculative import (
+    greedy_accept, rejection_accept, residual, speculative_generate, target_generate,
+)
+from dflash_pipeline.train.export import export_drafter
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+
+SMOL_LAYERS = [1, 8, 14, 20, 27]
+
+
+def smol_drafter_config(**overrides) -> DrafterConfig:
+    kw = dict(hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+              vocab_size=49152, block_size=8, mask_token_id=16, target_layer_ids=SMOL_LAYERS, num_target_layers=30)
+    kw.update(overrides)
+    return DrafterConfig(**kw)
+
+
+def export_random(cfg: DrafterConfig, out) -> str:
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, generator=torch.Generator().manual_seed(0))
+    export_drafter(model, cfg, out, dtype=torch.float32)
+    return str(out)
+
+
+def write_prompts(path) -> str:
+    records = [
+        {"prompt": "Name three primary colors."},
+        {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                      {"role": "assistant", "content": "Paris."}]},
+        {"conversations": [{"from": "human", "value": "Write one sentence about the sea."},
+                           {"from": "gpt", "value": "The sea is wide."}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+class OracleDrafter:
+    """Drafts `sequence` (prompt + the target's own continuation) exactly: every draft is right."""
+
+    def __init__(self, sequence: list[int], vocab: int, block_size: int):
+        self.sequence, self.vocab, self.block_size = list(sequence), vocab, block_size
+        self.calls: list[tuple[torch.Tensor | None, int, int]] = []
+
+    def reset(self) -> None:
+        self.calls = []
+
+    def draft(self, context, anchor, start):
+        self.calls.append((None if context is None else context.clone(), anchor, start))
+        want = self.sequence[start + 1:start + self.block_size] + [0] * self.block_size
+        logits = torch.full((self.block_size - 1, self.vocab), -30.0)
+        logits[torch.arange(self.block_size - 1), torch.tensor(want[:self.block_size - 1])] = 30.0
+        return logits
+
+
+class TableDrafter:
+    """q depends only on the anchor and the slot: a fixed random table, unlike the target's p."""
+
+    def __init__(self, table_VmV: torch.Tensor):
+        self.table = table_VmV
+        self.block_size = table_VmV.shape[1] + 1
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, context, anchor, start):
+        return self.table[anchor]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Batch-1 decoding is per-op overhead and memory bound; a second thread mostly adds contention
+    (measured: up to 5x slower on a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_llama(vocab: int = 6, seed: int = 0, head_std: float = 0.3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # peaked next-token distributions, so that the joint has few dominant cells
+        model.lm_head.weight.normal_(0.0, head_std, generator=torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+# ---------------------------------------------------------------- acceptance rules, exact math
+
+
+def test_greedy_accept_takes_matching_prefix_then_target_token():
+    target = torch.tensor([5, 6, 7, 8])
+    assert greedy_accept(torch.tensor([5, 6, 7]), target) == (3, 8)  # all accepted: bonus
+    assert greedy_accept(torch.tensor([5, 0, 7]), target) == (1, 6)  # first miss replaced by the target's token
+    assert greedy_accept(torch.tensor([0, 6, 7]), target) == (0, 5)  # later matches do not count
+    assert greedy_accept(torch.tensor([], dtype=torch.long), target[:1]) == (0, 5)
+
+
+def test_residual_is_normalized_positive_part():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.5, 0.1, 0.2])
+    torch.testing.assert_close(residual(p, q), torch.tensor([0.75, 0.0, 0.25, 0.0]))
+    torch.testing.assert_close(residual(p, p), p)  # nothing left over: never used, but a valid distribution
+
+
+def test_rejection_accept_matches_exact_probabilities():
+    """Per draft token x: accepted with probability min(1, p(x)/q(x)); on rejection the token is drawn from
+    normalize(max(p - q, 0)); all accepted: bonus from p after the last slot. 200K draws per case, 5 sigma."""
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q0 = torch.tensor([0.2, 0.5, 0.1, 0.2])
+    p1 = torch.tensor([0.1, 0.6, 0.1, 0.2])  # after slot 1
+    p2 = torch.tensor([0.4, 0.1, 0.4, 0.1])  # after slot 2 (the bonus)
+    q1 = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    N = 200_000
+    for x in range(4):
+        if q0[x] == 0:
+            continue
+        draft = torch.tensor([[x, 1]]).expand(N, 2)
+        n, tok = rejection_accept(draft, torch.stack([p0, p1, p2])[None].expand(N, 3, 4),
+                                  torch.stack([q0, q1])[None].expand(N, 2, 4), g)
+        accept = min(1.0, float(p0[x] / q0[x]))
+        rate = (n >= 1).float().mean().item()
+        assert abs(rate - accept) < 5 * math.sqrt(accept * (1 - accept) / N) + 1e-9, (x, rate, accept)
+        rejected = tok[n == 0]
+        if len(rejected):
+            emp = torch.bincount(rejected, minlength=4).float() / len(rejected)
+            assert (emp - residual(p0, q0)).abs().max() < 5 * math.sqrt(0.25 / len(rejected)), (x, emp)
+        # Slot 2 drafts token 1: accepted with min(1, p1(1)/q1(1)) = 1, so whoever passed slot 1 gets the bonus.
+        assert bool((n[n >= 1] == 2).all())
+        bonus = tok[n == 2]
+        if len(bonus):
+            emp = torch.bincount(bonus, minlength=4).float() / len(bonus)
+            assert (emp - p2).abs().max() < 5 * math.sqrt(0.25 / len(bonus))
+
+
+def test_rejection_accept_commits_first_token_distributed_as_p():
+    """Draft sampled from q, first committed token (accepted draft or residual sample) ~ p exactly."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.5, 0.1, 0.2])
+    N = 200_000
+    draft = torch.multinomial(q, N, replacement=True, generator=g)[:, None]
+    n, tok = rejection_accept(draft, torch.stack([p, p])[None].expand(N, 2, 4), q[None, None].expand(N, 1, 4), g)
+    first = torch.where(n >= 1, draft[:, 0], tok)
+    emp = torch.bincount(first, minlength=4).float() / N
+    assert (emp - p).abs().max() < 0.005, emp
+    assert abs((n >= 1).float().mean().item() - float(torch.minimum(p, q).sum())) < 0.005
+
+
+# ---------------------------------------------------------------- the decoding loop on a tiny target
+
+
+def test_oracle_on_tiny_target_accepts_full_blocks_stops_like_target_and_passes_committed_features():
+    model = tiny_llama(vocab=16, seed=3)
+    target = Target(model, layer_ids=[0, 1])
+    prompt = [3, 1, 4, 1, 5, 9]
+    base = target_generate(target, prompt, max_new_tokens=30, temperature=0.0, stop_ids=frozenset())
+    B = 5
+    oracle = OracleDrafter(prompt + base.tokens, 16, B)
+    spec = speculative_generate(target, oracle, prompt, max_new_tokens=30, temperature=0.0, stop_ids=frozenset())
+    assert spec.tokens == base.tokens
+    assert [s.committed for s in spec.steps[:-1]] == [B] * (len(spec.steps) - 1)
+    assert sum(s.committed for s in spec.steps) == 29  # the prefill gave the first of the 30
+
+    # Every committed position reached the drafter once, in order, with the target's own features.
+    contexts = torch.cat([c for c, _, _ in oracle.calls], dim=1)
+    starts = [s for _, _, s in oracle.calls]
+    assert starts[0] == len(prompt) and contexts.shape[1] == starts[-1]
+    captured = {}
+    hooks = [model.model.layers[k].register_forward_hook(lambda m, a, o, k=k: captured.__setitem__(k, o)) for k in (0, 1)]
+    with torch.no_grad():
+        model(torch.tensor([prompt + spec.tokens]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    full = torch.cat([captured[0], captured[1]], dim=-1)[:, :starts[-1]]
+    torch.testing.assert_close(contexts, full, atol=1e-5, rtol=1e-4)
+
+    # A stop token inside an accepted block ends the output right there, as plain decoding does.
+    stop = frozenset({base.tokens[7]})
+    base_stop = target_generate(target, prompt, max_new_tokens=30, temperature=0.0, stop_ids=stop)
+    spec_stop = speculative_generate(target, oracle, prompt, max_new_tokens=30, temperature=0.0, stop_ids=stop)
+    assert spec_stop.tokens == base_stop.tokens and spec_stop.tokens[-1] in stop
+    target.close()
+
+
+def _joint_exact(model, prompt: list[int], V: int, L: int, temperature: float) -> torch.Tensor:
+    """P(t1..tL) [V]*L of the target's own sampling, by enumerating every prefix in one forward."""
+    prefixes = list(itertools.product(range(V), repeat=L - 1))
+    ids = torch.tensor([prompt + list(p) for p in prefixes])
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits[:, len(prompt) - 1:].float()
+    probs = torch.softmax(logits / temperature, dim=-1)  # [V^(L-1), L, V]
+    joint = torch.zeros([V] * L, dtype=torch.float64)
+    for row, prefix in enumerate(prefixes):
+        pr = 1.0
+        for i, t in enumerate(prefix):
+            pr *= float(probs[row, i, t])
+        joint[prefix] = pr * probs[row, L - 1].double()
+    return joint
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(statistic, critical value at alpha = 1e-3), cells with expected count < 5 pooled into one."""
+    n = counts.sum()
+    expected = (probs * n).flatten()
+    counts = counts.flatten().double()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # Wilson-Hilferty approximation of the chi-square quantile
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_keeps_target_distribution():
+    V, B, L, T, runs = 6, 4, 4, 0.8, 1500
+    model = tiny_llama(vocab=V, seed=0)
+    target = Target(model)
+    prompt = [1, 2, 3, 4, 5]
+    exact = _joint_exact(model, prompt, V, L, T)
+    # q: the target's marginal p(t_{1+k} | t1) for slot k, plus noise. Close enough to p that every
+    # outcome (rejection at slot 1 or 2, full acceptance + bonus) is common, never equal to p.
+    marginals = [exact.sum(dim=(2, 3)), exact.sum(dim=(1, 3)), exact.sum(dim=(1, 2))]
+    cond = torch.stack([m / m.sum(1, keepdim=True) for m in marginals], dim=1)  # [anchor, slot, V]
+    noise = torch.randn(V, B - 1, V, generator=torch.Generator().manual_seed(7))
+    table = (cond.log() * T).float() + noise
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros([V] * L, dtype=torch.long)
+    hist = torch.zeros(B + 1, dtype=torch.long)
+    for _ in range(runs):
+        out = speculative_generate(target, TableDrafter(table), prompt, max_new_tokens=L, temperature=T,
+                                   stop_ids=frozenset(), generator=g)
+        counts[tuple(out.tokens)] += 1
+        for s in out.steps:
+            hist[s.committed] += 1
+    assert min(hist[1:4]) > runs / 5  # rejections at slot 1 and 2, and full acceptance, all common
+
+    stat, critical = _chi_square(counts, exact)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+    # Power: a loop that accepted every draft would give t2, t3 from q; the same test must reject it
+    # (measured: a residual drawn from p instead of max(p - q, 0), or a bonus from the wrong slot, fail too).
+    q = torch.softmax(table / T, dim=-1).double()
+    p1 = exact.sum(dim=(1, 2, 3))
+    p4 = exact / exact.sum(dim=3, keepdim=True).clamp_min(1e-300)
+    always = p1[:, None, None, None] * q[:, 0][:, :, None, None] * q[:, 1][:, None, :, None] * p4
+    stat_alt, _ = _chi_square(counts, always)
+    assert stat_alt > 5 * critical, (stat_alt, critical)
+
+
+def test_broken_verifier_is_reported(monkeypatch):
+    model = tiny_llama(vocab=16, seed=3)
+    target = Target(model)
+    prompts = [(11, [3, 1, 4, 1, 5]), (12, [2, 7, 1, 8])]
+    base = {sid: target_generate(target, p, max_new_tokens=12, temperature=0.0, stop_ids=frozenset()) for sid, p in prompts}
+
+    kw = dict(max_new_tokens=12, temperature=0.0, stop_ids=frozenset(), warmup=False)
+    good = evaluate(target, TableDrafter(torch.zeros(16, 3, 16)), prompts, **kw)
+    assert good["lossless"] is True and good["mismatches"] == []
+
+    real = speculative.greedy_accept
+    monkeypatch.setattr(speculative, "greedy_accept",
+                        lambda d, t: (lambda n, tok: (n, (tok + 1) % 16))(*real(d, t)))  # commits a wrong token
+    bad = evaluate(target, TableDrafter(torch.zeros(16, 3, 16)), prompts, **kw)
+    assert bad["lossless"] is False and bad["mismatches"] == [11, 12]
+    d = bad["mismatch_details"][0]
+    assert d["prompt"] == 11 and d["position"] == 1 and d["spec_token"] == (d["target_token"] + 1) % 16
+    out = io.StringIO()
+    from rich.console import Console
+
+    render_report(bad, Console(file=out, width=120))
+    assert "NOT LOSSLESS" in out.getvalue() and "prompt 11" in out.getvalue()
+    target.close()
+
+
+def test_summary_counts_slots_and_hist():
+    from dflash_pipeline.eval.speculative import Generation, Step
+
+    steps = [Step(3, 3, 4), Step(3, 1, 2), Step(3, 0, 1), Step(2, 2, 2)]  # last: truncated by a stop token
+    spec = Generation([0] * 10, 1.0, steps)
+    base = Generation([0] * 10, 2.0, margins=[1.0] * 10)
+    rep = summarize([PromptResult(5, spec, base)], block_size=4, temperature=0.0, greedy_checked=True)
+    assert rep["tau"] == 9 / 4 and rep["accept_hist"] == [0, 1, 2, 0, 1]
+    # slot 1: reached 4, accepted 3; slot 2: reached 3 (n >= 1), accepted 2; slot 3: reached 1 of drafted-3 steps.
+    assert rep["accept_rate_per_position"] == [3 / 4, 2 / 3, 1 / 1]
+    assert rep["speedup"] == pytest.approx(2.0) and rep["lossless"] is True
+
+
+# ---------------------------------------------------------------- the real target
+
+
+def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_tokenizer, smollm_model):
+    drafter = export_random(smol_drafter_config(), tmp_path / "drafter")
+    cfg = EvalConfig(drafter=drafter, target=str(smollm_dir), prompts=[write_prompts(tmp_path / "p.jsonl")],
+                     num_prompts=3, max_new_tokens=24)
+    report = run_eval(cfg)
+    assert report["lossless"] is True and report["mismatches"] == []
+    assert report["prompts"] == 3 and report["block_size"] == 8
+    assert 1.0 <= report["tau"] < 1.5
+    assert sum(report["accept_hist"]) == report["steps"] and len(report["accept_hist"]) == 9
+    assert report["tok_s_spec"] > 0 and report["tok_s_target"] > 0 and report["speedup"] > 0
+    json.dumps(report)  # the CLI's --json prints it as is
+
+    # The reference itself: our plain greedy loop equals transformers' generate on one prompt.
+    stops = stop_token_ids(smollm_tokenizer, smollm_model)
+    assert smollm_tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
+    ids = chat_ids(smollm_tokenizer, "Name three primary colors.")
+    target = Target(smollm_model)
+    ours = target_generate(target, ids, max_new_tokens=24, temperature=0.0, stop_ids=stops)
+    with torch.no_grad():
+        hf = smollm_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
+    assert ours.tokens == hf[0, len(ids):].tolist()
+    target.close()
+
+
+def test_oracle_drafter_on_real_target_commits_full_blocks(smollm_model, smollm_tokenizer):
+    target = Target(smollm_model)
+    stops = stop_token_ids(smollm_tokenizer, smollm_model)
+    results = []
+    for sid, text in enumerate(["What is the capital of France?", "Count from one to ten."]):
+        ids = chat_ids(smollm_tokenizer, text)
+        base = target_generate(target, ids, max_new_tokens=24, temperature=0.0, stop_ids=stops)
+        spec = speculative_generate(target, OracleDrafter(ids + base.tokens, 49152, 8), ids, max_new_tokens=24,
+                                    temperature=0.0, stop_ids=stops)
+        assert spec.tokens == base.tokens
+        assert all(s.committed == 8 for s in spec.steps[:-1]) and spec.steps[-1].committed <= 8
+        results.append(PromptResult(sid, spec, base))
+    report = summarize(results, block_size=8, temperature=0.0, greedy_checked=True)
+    assert report["lossless"] is True and report["tau"] > 6
+    assert report["accept_rate_per_position"] == [1.0] * 7
+    target.close()
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_mismatched_drafter_is_refused_with_one_line(tmp_path, smollm_dir):
+    cfg = smol_drafter_config(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16)
+    drafter = export_random(cfg, tmp_path / "small")
+    with pytest.raises(DFlashError) as e:
+        run_eval(EvalConfig(drafter=drafter, target=str(smollm_dir)))
+    assert "drafter hidden 64 != target hidden 576" in str(e.value) and "\n" not in str(e.value)
+
+    deep = export_random(smol_drafter_config(target_layer_ids=[1, 31], num_target_layers=32), tmp_path / "deep")
+    with pytest.raises(DFlashError, match=r"target_layer_ids \[31\] are not layers of the target \(it has 30\)"):
+        run_eval(EvalConfig(drafter=deep, target=str(smollm_dir)))
+    with pytest.raises(DFlashError, match="no such drafter folder"):
+        run_eval(EvalConfig(drafter=str(tmp_path / "missing"), target=str(smollm_dir)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DFlashError, match="not an exported drafter"):
+        run_eval(EvalConfig(drafter=str(tmp_path / "empty"), target=str(smollm_dir)))
+
+
+@pytest.mark.parametrize("bad", [dict(num_prompts=0), dict(max_new_tokens=0), dict(temperature=-1.0),
+                                 dict(block_size=1), dict(dtype="int8"), dict(device="tpu9")])
+def test_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        EvalConfig(drafter="d", **bad)
