@@ -203,7 +203,8 @@ def test_oracle_on_tiny_target_accepts_full_blocks_stops_like_target_and_passes_
     starts = [s for _, _, s in oracle.calls]
     assert starts[0] == len(prompt) and contexts.shape[1] == starts[-1]
     captured = {}
-    hooks = [model.model.layers[k].register_forward_hook(lambda m, a, o, k=k: captured.__setitem__(k, o)) for k in (0, 1)]
+    hooks = [model.model.layers[k].register_forward_hook(lambda m, a, o, k=k: captured.__setitem__(k, o))
+             for k in (0, 1)]
     with torch.no_grad():
         model(torch.tensor([prompt + spec.tokens]), use_cache=False)
     for h in hooks:
@@ -290,8 +291,6 @@ def test_broken_verifier_is_reported(monkeypatch):
     model = tiny_llama(vocab=16, seed=3)
     target = Target(model)
     prompts = [(11, [3, 1, 4, 1, 5]), (12, [2, 7, 1, 8])]
-    base = {sid: target_generate(target, p, max_new_tokens=12, temperature=0.0, stop_ids=frozenset()) for sid, p in prompts}
-
     kw = dict(max_new_tokens=12, temperature=0.0, stop_ids=frozenset(), warmup=False)
     good = evaluate(target, TableDrafter(torch.zeros(16, 3, 16)), prompts, **kw)
     assert good["lossless"] is True and good["mismatches"] == []

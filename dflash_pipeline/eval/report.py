@@ -35,13 +35,15 @@ def mismatch_detail(r: PromptResult) -> dict[str, Any] | None:
     i = first_difference(r.spec.tokens, r.target.tokens)
     if i is None:
         return None
-    at = lambda seq: seq[i] if i < len(seq) else None  # noqa: E731
-    margin = r.target.margins[i] if i < len(r.target.margins) else None
-    return {"prompt": r.sample_id, "position": i, "spec_token": at(r.spec.tokens), "target_token": at(r.target.tokens),
-            "target_top2_margin": margin}
+    spec, target = r.spec.tokens, r.target.tokens
+    return {"prompt": r.sample_id, "position": i,
+            "spec_token": spec[i] if i < len(spec) else None,
+            "target_token": target[i] if i < len(target) else None,
+            "target_top2_margin": r.target.margins[i] if i < len(r.target.margins) else None}
 
 
-def summarize(results: list[PromptResult], *, block_size: int, temperature: float, greedy_checked: bool) -> dict[str, Any]:
+def summarize(results: list[PromptResult], *, block_size: int, temperature: float,
+              greedy_checked: bool) -> dict[str, Any]:
     """The report dict. `greedy_checked`: the target's run was greedy, so outputs must match exactly."""
     B = block_size
     steps = [s for r in results for s in r.spec.steps]
@@ -114,16 +116,16 @@ def render_report(report: dict[str, Any], console) -> None:
 
     total = max(sum(report["accept_hist"]), 1)
     peak = max(report["accept_hist"]) or 1
-    acc = Table(title="acceptance")
-    acc.add_column("slot / tokens", justify="right")
-    acc.add_column("P(slot accepted | earlier accepted)", justify="right")
-    acc.add_column("steps committing this many", justify="right")
-    acc.add_column("")
+    acc = Table(title="acceptance per block slot k")
+    acc.add_column("k", justify="right")
+    acc.add_column("P(k accepted | < k accepted)", justify="right")
+    acc.add_column("steps committing k", justify="right")
+    acc.add_column("", no_wrap=True, overflow="crop")
     rates = report["accept_rate_per_position"]
     for k in range(1, report["block_size"] + 1):
-        rate = _fmt(rates[k - 1], ".3f") if k - 1 < len(rates) else ""
+        rate = _fmt(rates[k - 1], ".3f") if k - 1 < len(rates) else ""  # slot B does not exist: k = B is all + bonus
         n = report["accept_hist"][k]
-        acc.add_row(str(k), rate, f"{n} ({n / total:.1%})", "█" * round(30 * n / peak))
+        acc.add_row(str(k), rate, f"{n} ({n / total:.1%})", "█" * round(20 * n / peak))
     console.print(acc)
 
     for d in report["mismatch_details"][:10]:

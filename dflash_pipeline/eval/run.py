@@ -149,7 +149,7 @@ def evaluate(target: Target, drafter: Drafter, prompts: Sequence[tuple[int, Sequ
         spec = speculative_generate(target, drafter, ids, generator=_generator(seed, 2 * i + 1, target.device), **kw)
         results.append(PromptResult(sid, spec, base))
         if progress is not None:
-            progress.update(_progress_line(results, len(prompts)))
+            progress.update(_progress_line(results, len(prompts), greedy=temperature == 0))
     report = summarize(results, block_size=drafter.block_size, temperature=temperature,
                        greedy_checked=temperature == 0)
     if progress is not None:
@@ -163,12 +163,12 @@ def _generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
     return g
 
 
-def _progress_line(results: list[PromptResult], total: int) -> str:
+def _progress_line(results: list[PromptResult], total: int, greedy: bool) -> str:
     steps = sum(len(r.spec.steps) for r in results)
     committed = sum(s.committed for r in results for s in r.spec.steps)
     spec_s = sum(r.spec.seconds for r in results) or float("nan")
     base_s = sum(r.target.seconds for r in results) or float("nan")
-    differ = sum(r.spec.tokens != r.target.tokens for r in results) if results[-1].target.margins else 0
+    differ = sum(r.spec.tokens != r.target.tokens for r in results) if greedy else 0
     line = (f"eval prompt {len(results)}/{total}: tau {committed / max(steps, 1):.2f}, "
             f"{sum(r.spec.decoded_tokens for r in results) / spec_s:.1f} tok/s with drafter, "
             f"{sum(r.target.decoded_tokens for r in results) / base_s:.1f} tok/s target alone")
@@ -219,6 +219,7 @@ def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any
     report["drafter"] = str(cfg.drafter)
     report["target"] = str(target_path)
     report["max_new_tokens"] = cfg.max_new_tokens
+    report["config"] = cfg.to_dict()
     return report
 
 
