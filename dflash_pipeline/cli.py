@@ -236,6 +236,41 @@ def export(
     print(f"exported to {path}")
 
 
+@app.command("eval")
+@user_errors
+def eval_cmd(
+    drafter: str = typer.Option(..., "--drafter", help="Exported drafter folder (RUN_DIR/final)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model, as for extract (default: the embedded SmolLM2-135M-Instruct)."),
+    prompts: Optional[list[str]] = typer.Option(None, "--prompts", help="JSONL prompts (prompt / messages / conversations); default: held-out embedded conversations."),
+    num_prompts: int = typer.Option(32, "--num-prompts"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy, checked token for token against the target; >0: rejection sampling."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Verify blocks of this size (default: the drafter's)."),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
+    device: str = typer.Option("auto", "--device"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Real acceptance length: speculative decoding of the drafter against the target (exit 1 if greedy output differs)."""
+    from rich.console import Console
+
+    from dflash_pipeline.eval.report import render_report
+    from dflash_pipeline.eval.run import EvalConfig, run_eval
+    from dflash_pipeline.progress import LiveLine
+
+    cfg = _config(EvalConfig, drafter=drafter, target=target, prompts=list(prompts) if prompts else None,
+                  num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                  block_size=block_size, seed=seed, dtype=dtype, device=device, json=json_out)
+    report = run_eval(cfg, LiveLine(enabled=not json_out))
+    if json_out:
+        print(json.dumps(report, default=float))
+    else:
+        render_report(report, Console())
+    if report["lossless"] is False:
+        print(f"error: greedy output differs from the target's on {len(report['mismatches'])} prompt(s)", file=sys.stderr)
+        raise typer.Exit(1)
+
+
 def _extract_config():
     from dflash_pipeline.schemas.config import ExtractConfig
 

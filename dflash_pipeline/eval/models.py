@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch.nn import functional as F
 
-from dflash_pipeline.extract.target import _embedding_scale, decoder_layers, text_config
+from dflash_pipeline.extract.target import embedding_scale, decoder_layers, text_config
 from dflash_pipeline.train.model import DFlashDrafter, block_input_ids
 
 
@@ -39,7 +39,7 @@ class Target:
         self._can_keep_last = "logits_to_keep" in params
         emb = model.get_input_embeddings()
         self.device = emb.weight.device
-        self.embed_scale = _embedding_scale(model)
+        self.embed_scale = embedding_scale(model)
         cfg = text_config(model.config)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.logit_scale = getattr(cfg, "logit_scale", None)

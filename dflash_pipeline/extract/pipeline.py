@@ -571,7 +571,7 @@ class Reporter:
         self.total = sum(prep.pending_tokens.values())
         self.stop_ev = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="dflash-progress", daemon=True)
-        self.last = (time.time(), 0, 0.0, 0.0)
+        self.history: list[tuple[float, int, float, float]] = [(time.time(), 0, 0.0, 0.0)]
 
     def start(self) -> None:
         self.thread.start()
@@ -607,12 +607,15 @@ class Reporter:
         now = time.time()
         gpu_tokens = sum(r["tokens_gpu"] for r in ranks)
         written = sum(r["tokens"] for r in ranks)
-        t_last, tok_last, ws_last, ww_last = self.last
+        # Rates over the last ~30 s: per-interval counts are too lumpy when a batch takes seconds.
+        self.history.append((now, gpu_tokens, st["wait_staging"], st["wait_write"]))
+        while len(self.history) > 2 and now - self.history[1][0] >= 30:
+            self.history.pop(0)
+        t_last, tok_last, ws_last, ww_last = self.history[0]
         dt = max(now - t_last, 1e-6)
         rate = (gpu_tokens - tok_last) / dt
         ws = (st["wait_staging"] - ws_last) / dt
         ww = (st["wait_write"] - ww_last) / dt
-        self.last = (now, gpu_tokens, st["wait_staging"], st["wait_write"])
         bound = "write-bound" if ww > 0.1 else "copy-bound" if ws > 0.1 else "gpu-bound"
         overall = gpu_tokens / max(now - self.engine.t_start, 1e-6)
         eta = (self.total - gpu_tokens) / overall if overall > 0 else float("inf")

@@ -219,12 +219,12 @@ class TargetRunner:
             "tied_lm_head": "lm_head" not in self.frozen_tensors(),
             "final_logit_softcapping": self.softcap,
             "logit_scale": self.logit_scale,
-            "embedding_scale": _embedding_scale(self.model),
+            "embedding_scale": embedding_scale(self.model),
             "rms_norm_eps": getattr(cfg, "rms_norm_eps", None),
         }
 
 
-def _embedding_scale(model) -> float:
+def embedding_scale(model) -> float:
     """Gemma-style models multiply embeddings by sqrt(hidden); the drafter must embed the same way."""
     emb = model.get_input_embeddings()
     scale = getattr(emb, "embed_scale", None)
