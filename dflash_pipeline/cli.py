@@ -88,7 +88,9 @@ def store_verify(
     from dflash_pipeline.store.verify import verify_store
 
     if drop_corrupt and not repair:
-        raise typer.BadParameter("--drop-corrupt only acts together with --repair")
+        from dflash_pipeline.errors import DFlashError
+
+        raise DFlashError("--drop-corrupt only acts together with --repair")
     rep = verify_store(store, repair=repair, drop_corrupt=drop_corrupt, threads=threads)
     if json_out:
         print(json.dumps(rep.to_dict()))
@@ -122,15 +124,19 @@ def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{option} takes comma-separated integers, got '{text}'") from None
+        from dflash_pipeline.errors import DFlashError
+
+        raise DFlashError(f"{option} takes comma-separated integers, got '{text}'") from None
 
 
 def _config(cls, **kwargs):
-    """Build a config dataclass; its validation errors become one-line usage errors."""
+    """Build a config dataclass; its validation errors become one-line user errors."""
+    from dflash_pipeline.errors import DFlashError
+
     try:
         return cls(**kwargs)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise DFlashError(str(e)) from None
 
 
 @app.command("extract")
