@@ -385,6 +385,16 @@ class StreamingLoader:
         err: list[BaseException] = []
 
         ring = _PinnedRing(self.prefetch + 2) if cuda else None
+        halt = threading.Event()
+
+        def put(item) -> bool:
+            while not halt.is_set():
+                try:
+                    q.put(item, timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def produce():
             try:
@@ -396,32 +406,45 @@ class StreamingLoader:
                             ev = torch.cuda.Event()
                             ev.record(stream)
                         ring.last_event = ev
-                        q.put((d, ev))
+                        item = (d, ev)
                     else:
-                        q.put((_stack(rows), None))
+                        item = (_stack(rows), None)
+                    if not put(item):
+                        break
             except BaseException as e:
                 err.append(e)
             finally:
-                q.put(done)
+                batches.close()  # stops the worker processes when the consumer left early
+                put(done)
 
         t = threading.Thread(target=produce, name="dflash-prefetch", daemon=True)
         t.start()
-        while True:
-            t0 = time.perf_counter()
-            item = q.get()
-            self.data_wait += time.perf_counter() - t0
-            if item is done:
-                break
-            b, ev = item
-            if ev is not None:
-                main = torch.cuda.current_stream(self.device)
-                main.wait_event(ev)
-                # Allocated on the copy stream, used on the main one: tell the allocator, or it could
-                # hand the memory to the next copy while kernels still read it.
-                for f in _PinnedRing.FIELDS:
-                    getattr(b, f).record_stream(main)
-            yield b
-        t.join()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = q.get()
+                self.data_wait += time.perf_counter() - t0
+                if item is done:
+                    break
+                b, ev = item
+                if ev is not None:
+                    main = torch.cuda.current_stream(self.device)
+                    main.wait_event(ev)
+                    # Allocated on the copy stream, used on the main one: tell the allocator, or it could
+                    # hand the memory to the next copy while kernels still read it.
+                    for f in _PinnedRing.FIELDS:
+                        getattr(b, f).record_stream(main)
+                yield b
+        finally:
+            # The consumer may stop early (end of run, signal): release the producer and wait for it,
+            # so no thread is left blocked inside torch when the interpreter exits.
+            halt.set()
+            while t.is_alive():
+                try:
+                    q.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            t.join()
         if err:
             raise err[0]
 

@@ -252,8 +252,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     model.train()
     try:
         while step < total and not stop.set:
-            it = loader.iter_epoch(epoch, batch_in_epoch)
-            for batch in _grouped(it, cfg.grad_accum):
+            it = _grouped(loader.iter_epoch(epoch, batch_in_epoch), cfg.grad_accum)
+            for batch in it:
                 opt.zero_grad(set_to_none=True)
                 g = step_generator(cfg.seed, rank, step, device)
                 for i, b in enumerate(batch):
@@ -307,6 +307,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                 if cfg.save_every and step % cfg.save_every == 0 and not stop.set:
                     save()
                 if step >= total or stop.set:
+                    it.close()  # stops the loader's threads and worker processes now
                     break
             else:
                 epoch, batch_in_epoch = epoch + 1, 0
@@ -453,11 +454,14 @@ class _Trackers:
 
 def _grouped(it, n: int):
     group = []
-    for b in it:
-        group.append(b)
-        if len(group) == n:
-            yield group
-            group = []
+    try:
+        for b in it:
+            group.append(b)
+            if len(group) == n:
+                yield group
+                group = []
+    finally:
+        it.close()
 
 
 class _nullctx:
