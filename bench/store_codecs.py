@@ -171,7 +171,7 @@ def main() -> None:
             t = time.perf_counter()
             marker = w.write_segment(0, arrays)
             t_w = time.perf_counter() - t
-            results.append({"compressor": f"{codec_name}: store write_segment (zarr, all threads)",
+            results.append({"compressor": f"{codec_name}: store write_segment (all threads)",
                             "write_MBps_of_raw_bf16": raw / t_w / 1e6,
                             "bytes_per_token": sum(a["bytes"] for a in marker["arrays"].values()) / T})
     report = {"date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),

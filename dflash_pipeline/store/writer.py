@@ -30,6 +30,7 @@ from dflash_pipeline.schemas.store import (
     segment_path,
 )
 from dflash_pipeline.store.backends import KV, open_zarr_store
+from dflash_pipeline.store.shards import encode_pool, write_layer_shards
 from dflash_pipeline.store.codecs import (
     chunk_tokens, get_codec, hidden_layer_stats, small_array_compressors,
 )
@@ -148,8 +149,16 @@ class StoreWriter:
         C = chunk_tokens(H, arrays.hidden_TLH.dtype.itemsize)
         C = min(C, max(T, 1))
         shard_T = -(-T // C) * C
-        put("hidden", arrays.hidden_TLH, (C, 1, H), (shard_T, 1, H),
-            [*self.codec.compressors(), Crc32cCodec()], hidden_crcs(arrays.hidden_TLH))
+        # The big array: metadata through zarr, shards encoded on our thread pool (see shards.py).
+        compressors = [*self.codec.compressors(), Crc32cCodec()]
+        zarr.create_array(self.zstore, name=f"{base}/hidden", shape=arrays.hidden_TLH.shape,
+                          dtype=arrays.hidden_TLH.dtype, chunks=(C, 1, H), shards=(shard_T, 1, H),
+                          compressors=compressors, fill_value=0)
+        crc_future = encode_pool().submit(hidden_crcs, arrays.hidden_TLH)
+        if T:
+            write_layer_shards(self.kv, f"{base}/hidden", arrays.hidden_TLH, C, compressors[0])
+        record["hidden"] = {"shape": list(arrays.hidden_TLH.shape), "dtype": str(arrays.hidden_TLH.dtype),
+                            "crc32c": crc_future.result()}
         if self.codec.has_scale:
             assert arrays.hidden_scale_TL is not None
             put("hidden_scale", arrays.hidden_scale_TL.astype(np.float32, copy=False), (C, L), (shard_T, L),
