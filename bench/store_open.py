@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -34,7 +33,6 @@ def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from helpers import write_random_store
 
-    from dflash_pipeline.schemas.store import commit_key
     from dflash_pipeline.store.backends import KV, open_zarr_store
     from dflash_pipeline.store.manifest import committed_segments, manifest_from_commits, write_manifest
     from dflash_pipeline.store.reader import StoreReader

@@ -127,8 +127,6 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
 
         t2, mem2 = timed_steps(conv, steps)
         res.update(baseline_step_s=t2, baseline_peak_gib=mem2, speedup_vs_baseline=t2 / t)
-    del model, opt
-    torch.cuda.empty_cache()
     return res
 
 
@@ -146,6 +144,7 @@ def main() -> None:
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
                                          kl=True, steps=max(3, args.steps // 3), conventional=False))
+    torch.cuda.empty_cache()
     for r in out["results"]:
         line = (f"{r['case']}: {r['step_s'] * 1e3:.0f} ms/step, {r['input_tok_s']:,.0f} input tok/s, "
                 f"{r['block_tok_s']:,.0f} block tok/s, MFU {r['mfu']:.1%}, peak {r['peak_gib']:.1f} GiB")

@@ -9,9 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from dflash_pipeline.store.manifest import committed_segments, rebuild_manifest_at
 from dflash_pipeline.store.reader import StoreReader

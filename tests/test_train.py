@@ -5,7 +5,6 @@ CPU processes, SIGTERM, refusals, corrupt segments."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from dflash_pipeline.errors import ConfigMismatchError, DFlashError
 from dflash_pipeline.extract.pipeline import run_extract
 from dflash_pipeline.schemas.config import ExtractConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
-from dflash_pipeline.train.data import LoaderState, Manifest, StreamingLoader, eval_holdout, plan_epoch
+from dflash_pipeline.train.data import Manifest, StreamingLoader, eval_holdout, plan_epoch
 from dflash_pipeline.train.trainer import run_train
 from helpers import make_tiny_target, write_conversations
 

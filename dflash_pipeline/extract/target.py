@@ -96,6 +96,8 @@ def load_target(path: Path | str, dtype: torch.dtype, device: torch.device | str
     if replica_devices and len(replica_devices) > 1:
         kwargs["device_map"] = "auto"
         kwargs["max_memory"] = {i: torch.cuda.get_device_properties(i).total_memory * 0.9 for i in replica_devices}
+    elif device is not None and torch.device(device).type == "cuda":
+        kwargs["device_map"] = {"": str(device)}  # load straight onto the GPU, not through host memory
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs)
     except (ValueError, ImportError):  # models without an sdpa path

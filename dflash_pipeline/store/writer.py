@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_pipeline import __version__
 from dflash_pipeline.errors import ConfigMismatchError, StoreError
 from dflash_pipeline.schemas.store import (
     FORMAT_VERSION, META_KEY, RUNS_PREFIX, TARGET_FILES_PREFIX, TARGET_GROUP, StoreMeta, commit_key,
