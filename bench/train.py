@@ -93,7 +93,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     batch = make_batch(R, S, 5, H, V, 32, device)
     gamma = {16: 7.0, 32: 10.0}.get(B, 7.0)
     g = torch.Generator(device=device).manual_seed(1)
-    anchors = draw_anchors(batch, anchors, g)
+    anchors = draw_anchors(batch, anchors, g, B)
     flops = {}
 
     def ours():

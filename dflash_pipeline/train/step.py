@@ -49,11 +49,18 @@ def step_generator(seed: int, rank: int, step: int, device: torch.device) -> tor
     return g
 
 
-def draw_anchors(batch: Batch, max_anchors: int, g: torch.Generator) -> torch.Tensor:
-    """[R, A] sorted anchor indices per row, -1 padded."""
+def draw_anchors(batch: Batch, max_anchors: int, g: torch.Generator, block_size: int = 16) -> torch.Tensor:
+    """[R, A] sorted anchor indices per row, -1 padded.
+
+    A is rounded up so that A * block_size is a multiple of 128: query lengths then fall on
+    FlexAttention's 128-token tiles and take few distinct values, so the compiled kernel is not
+    recompiled for every step's anchor count.
+    """
     lists = [sample_anchors(batch.loss_mask[r], batch.doc[r], max_anchors, generator=g)
              for r in range(batch.tokens.shape[0])]
-    return pad_anchors(lists)
+    bucket = max(1, 128 // block_size)
+    longest = max((len(a) for a in lists), default=0)
+    return pad_anchors(lists, num_blocks=max(bucket, -(-longest // bucket) * bucket))
 
 
 def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *, block_size: int,

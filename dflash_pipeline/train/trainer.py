@@ -257,7 +257,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                 opt.zero_grad(set_to_none=True)
                 g = step_generator(cfg.seed, rank, step, device)
                 for i, b in enumerate(batch):
-                    anchors = draw_anchors(b, cfg.max_anchors, g)
+                    anchors = draw_anchors(b, cfg.max_anchors, g, cfg.block_size)
                     ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else _nullctx()
                     with ctx:
                         out = run_blocks(ddp, frozen, b, anchors.to(device), block_size=cfg.block_size,
