@@ -212,3 +212,21 @@ def test_corrupt_segment_skipped_or_strict(tiny_store, tmp_path):
 
     with pytest.raises(StoreError, match=f"segment {seg.name}"):
         run_train(_cfg(str(store), tmp_path / "strict", steps=None, epochs=1.0, strict=True))
+
+
+def test_extract_to_and_train_from_s3(tmp_path, smollm_dir, s3_server):
+    """Both stages against a real S3-compatible server: extraction writes there, the trainer's worker
+    processes stream from there."""
+    import uuid
+
+    target = make_tiny_target(tmp_path / "target", smollm_dir)
+    data = write_conversations(tmp_path / "conv.jsonl", n=24)
+    url = f"s3://dflash-test/{uuid.uuid4().hex}/store"
+    run_extract(ExtractConfig(out=url, target=str(target), data=[str(data)], max_length=128, topk=4,
+                              tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1, quiet=True,
+                              device="cpu", num_features=3))
+    from dflash_pipeline.store.verify import verify_store
+
+    assert verify_store(url).ok
+    summary = run_train(_cfg(url, tmp_path / "run", steps=3, num_workers=1, kl_weight=0.2))
+    assert summary["finished"] and (tmp_path / "run" / "final" / "model.safetensors").exists()
