@@ -8,7 +8,9 @@ measures in the same run:
             steady-state tokens/s from its run record (model loading excluded).
 Reports tok/s and the ratio extract / baseline (goal: >= 0.9).
 
-    python bench/extract.py --tokenizer DIR --work /tmp/bench [--tokens 400000] [--json OUT.json]
+    python bench/assets.py    # here, once: .bench_assets/tokenizer (carry it to the GPU machine)
+    python bench/extract.py --tokenizer .bench_assets/tokenizer --work /tmp/bench [--tokens 400000] \
+        [--gpus 1|2] [--json OUT.json]
 """
 
 from __future__ import annotations
