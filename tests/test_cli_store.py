@@ -151,3 +151,24 @@ def test_repair_removes_incomplete_keeps_corrupt_unless_asked(store):
     code, out, _ = _run("store", "verify", str(store), "--json")
     rep = json.loads(out)
     assert rep["ok"] and rep["checked"] == 2 and rep["manifest_problem"] is None
+
+
+def test_nonfinite_values_are_counted(tmp_path):
+    import torch
+
+    from dflash_pipeline.store.writer import SegmentBuilder, StoreWriter
+    from helpers import make_meta, random_sample
+
+    url = str(tmp_path / "nan")
+    w = StoreWriter(url, make_meta(codec="fp8"))
+    b = SegmentBuilder(w, 0)
+    s = list(random_sample(torch.Generator().manual_seed(0), 40, 3, 64, 100, 4))
+    s[2][5, 1, 7] = float("nan")
+    s[2][9, 1, 0] = float("inf")
+    b.add(1, *s)
+    b.commit()
+    code, out, _ = _run("store", "stats", url, "--json")
+    stats = json.loads(out)
+    assert stats["nonfinite_values"] == 2
+    assert [l["nonfinite"] for l in stats["layers"]] == [0, 2, 0]
+    assert all(v == v for l in stats["layers"] for v in (l["mean"], l["std"]))  # stats stay finite

@@ -133,7 +133,7 @@ class Engine:
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.t_start = time.time()
-        self.c = {"tokens_gpu": 0, "tokens": 0, "samples": 0, "segments": 0, "bytes": 0,
+        self.c = {"tokens_gpu": 0, "samples_gpu": 0, "tokens": 0, "samples": 0, "segments": 0, "bytes": 0,
                   "wait_staging": 0.0, "wait_write": 0.0, "writing": 0}
         self.collector = threading.Thread(target=self._collect, name="dflash-collect", daemon=True)
         self.collector.start()
@@ -166,6 +166,7 @@ class Engine:
                                  enc.err_sq_L, enc.ref_sq_L, enc.max_abs_err_L])
             self._transfer(asm, batch, sum(lens), enc, out, small)
             self.c["tokens_gpu"] += sum(lens)
+            self.c["samples_gpu"] += len(batch)
 
     def _transfer(self, asm: SegmentAssembly, batch: list[int], n: int, enc, out, small: torch.Tensor) -> None:
         t0 = time.time()
@@ -290,6 +291,7 @@ class Reporter:
     def _status(self) -> dict[str, Any]:
         e = self.engine
         return {"rank": self.rank, "time": time.time(), "tokens_gpu": e.c["tokens_gpu"], "tokens": e.c["tokens"],
+                "samples_gpu": e.c["samples_gpu"],
                 "segments": e.c["segments"], "wait_staging": e.c["wait_staging"], "wait_write": e.c["wait_write"],
                 **e.queue_depths()}
 
@@ -326,7 +328,9 @@ class Reporter:
         overall = gpu_tokens / max(now - self.engine.t_start, 1e-6)
         eta = (self.total - gpu_tokens) / overall if overall > 0 else float("inf")
         segs = sum(r["segments"] for r in ranks)
-        return (f"extract  segments {segs}/{len(self.prep.pending)}  tokens {fmt_count(gpu_tokens)}/{fmt_count(self.total)} "
+        samples = sum(r.get("samples_gpu", 0) for r in ranks)
+        return (f"extract  segments {segs}/{len(self.prep.pending)}  samples {samples:,}  "
+                f"tokens {fmt_count(gpu_tokens)}/{fmt_count(self.total)} "
                 f"(written {fmt_count(written)})  {fmt_count(rate)} tok/s  "
                 f"queues: staging {st['staging_busy']}/{st['staging']} segments {st['segments_in_flight']}/{st['segments_max']}  "
                 f"ETA {fmt_duration(eta)}  [{bound}]")
