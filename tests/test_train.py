@@ -230,3 +230,29 @@ def test_extract_to_and_train_from_s3(tmp_path, smollm_dir, s3_server):
     assert verify_store(url).ok
     summary = run_train(_cfg(url, tmp_path / "run", steps=3, num_workers=1, kl_weight=0.2))
     assert summary["finished"] and (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_store_with_other_layer_convention_is_refused(tiny_store, tmp_path):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    doc = json.loads((store / "zarr.json").read_text())
+    doc["attributes"]["dflash"]["layer_convention"] = "hidden_states_index"
+    (store / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(DFlashError, match="convention 'hidden_states_index'"):
+        run_train(_cfg(str(store), tmp_path / "run"))
+
+
+def test_export_records_the_store_layers(tiny_store, tmp_path):
+    run = tmp_path / "run"
+    run_train(_cfg(tiny_store, run, steps=2))
+    cfg = json.loads((run / "final" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == StoreReader(tiny_store).meta.layer_ids
+    assert cfg["num_target_layers"] == 6 and cfg["dflash_config"]["mask_token_id"] == 16
+    from dflash_pipeline.cli import app
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, ["export", str(run), str(tmp_path / "exported")])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["dflash_config"] == cfg["dflash_config"]

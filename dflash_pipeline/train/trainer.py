@@ -25,6 +25,7 @@ from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.target import env_rank, visible_gpus
 from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import TrainConfig
+from dflash_pipeline.schemas.store import LAYER_CONVENTION
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.blocks import default_gamma
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -79,6 +80,11 @@ def pick_mask_token(configured: int | None, tokenizer, embedding_rows: int) -> i
 
 def check_store_fits(cfg: TrainConfig, reader: StoreReader) -> None:
     """Refuse, before training starts, a store without what the config needs."""
+    if reader.meta.layer_convention != LAYER_CONVENTION:
+        # Tools disagree by one on what "layer k" means; features of the wrong layers train a drafter
+        # that looks fine and fails at serving time.
+        raise DFlashError(f"{cfg.store}: layer ids use the convention '{reader.meta.layer_convention}', this "
+                          f"trainer and the DFlash export use '{LAYER_CONVENTION}' (HF hidden_states[k+1])")
     if cfg.kl_weight > 0 and reader.meta.topk == 0:
         raise DFlashError(f"{cfg.store}: --kl-weight needs the teacher's top-k, and this store has none "
                           "(extracted with --topk 0)")
