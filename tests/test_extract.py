@@ -156,7 +156,7 @@ def test_sigkill_then_resume_equals_clean_run(extracted, data_file, tmp_path):
     while time.time() < deadline and proc.poll() is None:
         commits = list((out / "commits").glob("*.json")) if (out / "commits").exists() else []
         if len(commits) >= 1:
-            time.sleep(0.3)  # land somewhere inside the next segment
+            time.sleep(0.1)  # land somewhere inside a later segment
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.01)

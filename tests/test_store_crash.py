@@ -56,7 +56,7 @@ def test_sigkill_mid_segment_leaves_clean_store(tmp_path):
     write_random_store(url, segments=0)
     root = tmp_path / "store"
     # Large segments (~2.5 MB of features each) keep the writer inside a segment most of the time.
-    proc = _spawn(url, list(range(0, 40)), hidden=1024)
+    proc = _spawn(url, list(range(0, 400)), hidden=1024)
     victim = None
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
