@@ -256,3 +256,17 @@ def test_export_records_the_store_layers(tiny_store, tmp_path):
     res = CliRunner().invoke(app, ["export", str(run), str(tmp_path / "exported")])
     assert res.exit_code == 0, res.stderr
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["dflash_config"] == cfg["dflash_config"]
+
+
+def test_fp8_store_trains(tmp_path, smollm_dir):
+    target = make_tiny_target(tmp_path / "t", smollm_dir)
+    data = write_conversations(tmp_path / "c.jsonl", n=16)
+    store = str(tmp_path / "s")
+    run_extract(ExtractConfig(out=store, target=str(target), data=[str(data)], max_length=128, topk=4, codec="fp8",
+                              segment_tokens=400, tokenize_workers=1, quiet=True, device="cpu", num_features=2))
+    r = StoreReader(store)
+    assert r.meta.codec == "fp8"
+    seg = r.read_segment(int(r.segment_ids()[0]))
+    assert seg.hidden_TLH.dtype == torch.bfloat16 and torch.isfinite(seg.hidden_TLH.float()).all()
+    summary = run_train(_cfg(store, tmp_path / "run", steps=3, num_workers=1, kl_weight=0.1))
+    assert summary["finished"] and all(np.isfinite(v) for v in _losses(tmp_path / "run").values())
