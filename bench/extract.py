@@ -11,6 +11,7 @@ Reports tok/s and the ratio extract / baseline (goal: >= 0.9).
     python bench/assets.py    # here, once: .bench_assets/tokenizer (carry it to the GPU machine)
     python bench/extract.py --tokenizer .bench_assets/tokenizer --work /tmp/bench [--tokens 400000] \
         [--gpus 1|2] [--json OUT.json]
+    python bench/extract.py --smoke --tokenizer .bench_assets/tokenizer   # tiny shapes on the CPU
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=False)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
 def build_target(path: str, tokenizer_dir: str, shape: dict) -> None:
@@ -38,14 +45,15 @@ def build_target(path: str, tokenizer_dir: str, shape: dict) -> None:
     if os.path.exists(os.path.join(path, "config.json")):
         return
     cfg = Qwen3Config(**shape)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
     model.save_pretrained(path)
     for f in os.listdir(tokenizer_dir):
         if f.startswith("tokenizer") or f in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(os.path.join(tokenizer_dir, f), path)
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def write_data(path: str, tokens: int, seed: int = 0) -> None:
@@ -69,7 +77,7 @@ def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
 
     kv = KV(open_zarr_store(store, read_only=True))
     plan, reader = read_plan(kv), PlanReader(kv)
-    model = load_target(path, torch.bfloat16, "cuda")
+    model = load_target(path, DTYPE, DEVICE)
     base = base_model(model)
     batches = []
     for s in plan.segments:
@@ -83,19 +91,27 @@ def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
             batches.append((ids, lens))
     with torch.inference_mode():
         for ids, lens in batches[:3]:  # warm-up
-            base(input_ids=ids.cuda(), attention_mask=(torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long().cuda(), use_cache=False)
-        torch.cuda.synchronize()
+            base(input_ids=ids.to(DEVICE), attention_mask=(torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long().to(DEVICE),
+                 use_cache=False)
+        _sync()
         t = time.perf_counter()
         n = 0
         for ids, lens in batches:
             mask = (torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long()
-            base(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
+            base(input_ids=ids.to(DEVICE, non_blocking=True), attention_mask=mask.to(DEVICE, non_blocking=True),
+                 use_cache=False)
             n += sum(lens)
-        torch.cuda.synchronize()
+        _sync()
         dt = time.perf_counter() - t
     del model, base
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return n / dt
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -107,7 +123,11 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8")
     ap.add_argument("--gpus", default="1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny target and data (CPU is fine): check the script runs")
     args = ap.parse_args()
+    shape = SMOKE if args.smoke else QWEN3_8B
+    if args.smoke:
+        args.tokens = min(args.tokens, 4000)
     from dflash_pipeline.extract.pipeline import run_extract
     from dflash_pipeline.schemas.config import ExtractConfig
 
@@ -115,18 +135,20 @@ def main() -> None:
     target = os.path.join(args.work, "qwen3-8b-random")
     data = os.path.join(args.work, "data.jsonl")
     t = time.time()
-    build_target(target, args.tokenizer, QWEN3_8B)
+    build_target(target, args.tokenizer, shape)
     write_data(data, args.tokens)
     print(f"target and data ready in {time.time() - t:.0f}s", flush=True)
-    results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0),
-               "gpus": args.gpus, "shape": QWEN3_8B, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
+    results = {"date": time.strftime("%Y-%m-%d"),
+               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "gpus": args.gpus, "shape": shape, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
     baseline = None
     for codec in args.codecs.split(","):
         store = os.path.join(args.work, f"store-{codec}")
         shutil.rmtree(store, ignore_errors=True)
         cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
                             tokens_per_batch=args.tokens_per_batch, segment_tokens=32768, gpus=args.gpus,
-                            dtype="bf16", tokenize_workers=1)
+                            dtype="bf16" if DEVICE == "cuda" else "fp32", tokenize_workers=1,
+                            device="cuda" if DEVICE == "cuda" else "cpu")
         rec = run_extract(cfg)
         steady = sum(w["tokens"] for w in rec["workers"]) / max(w["seconds"] for w in rec["workers"])
         results["runs"][codec] = {"tokens": rec["tokens_this_run"], "tok_per_s": steady,

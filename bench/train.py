@@ -10,6 +10,7 @@
             one 49,152-token row, KL on: the case that crashed an online pipeline. Goal: peak < 80 GB.
 
     python bench/train.py [--only step|memory] [--steps 10] [--json OUT.json]
+    python bench/train.py --smoke      # tiny shapes on the CPU: checks the script before GPU time
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def conventional_loss(hidden_NH, head_VH, labels, weights, chunk=2048):
 def timed_steps(fn, steps: int) -> tuple[float, float]:
     for _ in range(2):
         fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t) / steps, 0.0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -79,16 +85,17 @@ def timed_steps(fn, steps: int) -> tuple[float, float]:
     return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2 ** 30
 
 
-def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True):
-    device = torch.device("cuda")
+def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
+               head_dim=128):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                        head_dim=128, vocab_size=V, block_size=B, mask_token_id=V - 1,
+                        head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
                         target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1e6)
     model = DFlashDrafter(cfg)
     init_drafter_weights(model)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    head = (torch.randn(V, H, device=device) * 0.02).bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    head = (torch.randn(V, H, device=device) * 0.02).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     frozen = Frozen(head, head)
     batch = make_batch(R, S, 5, H, V, 32, device)
     gamma = {16: 7.0, 32: 10.0}.get(B, 7.0)
@@ -100,7 +107,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
         opt.zero_grad(set_to_none=True)
         out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma,
                          kl_weight=0.15 if kl else 0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=4096, g=g,
-                         autocast=True)
+                         autocast=device.type == "cuda")
         out.loss.backward()
         opt.step()
         flops["f"] = step_flops(cfg, out, R * S)
@@ -116,11 +123,11 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
             opt.zero_grad(set_to_none=True)
             blocks = build_blocks(batch.tokens, batch.pos, batch.doc, batch.loss_mask, anchors, block_size=B,
                                   mask_token_id=cfg.mask_token_id, gamma=gamma)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 hid = model(batch.features, batch.pos, batch.doc, head[blocks.token_ids_RQ], blocks.pos_RQ,
                             blocks.doc_RQ, blocks.block_id_RQ)
             sel = blocks.weights_RQ.reshape(-1) > 0
-            loss = conventional_loss(hid.reshape(-1, H)[sel].bfloat16(), head, blocks.labels_RQ.reshape(-1)[sel],
+            loss = conventional_loss(hid.reshape(-1, H)[sel].to(head.dtype), head, blocks.labels_RQ.reshape(-1)[sel],
                                      blocks.weights_RQ.reshape(-1)[sel])
             loss.backward()
             opt.step()
@@ -135,8 +142,15 @@ def main() -> None:
     ap.add_argument("--only", choices=["step", "memory"], default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU is fine): check the script runs")
     args = ap.parse_args()
-    out = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "results": []}
+    out = {"date": time.strftime("%Y-%m-%d"),
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "results": []}
+    if args.smoke:
+        out["results"].append(bench_case("smoke", H=128, I=256, heads=4, kv=2, V=500, B=16, anchors=8, R=2, S=64,
+                                         kl=True, steps=2, layers=2, head_dim=32))
+        print(out["results"])
+        return
     if args.only in (None, "step"):
         out["results"].append(bench_case("qwen3-8b drafter, 4x3072, 512 anchors, B=16", H=4096, I=12288, heads=32,
                                          kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps))
