@@ -125,8 +125,9 @@ def attention_pairs(batch: Batch, blocks, block_size: int, cfg) -> torch.Tensor:
     return total
 
 
-def step_flops(cfg, out: StepOut, context_tokens: int, train: bool = True) -> float:
-    """Model FLOPs of one step without recompute (the MFU numerator).
+def flops_from_totals(cfg, *, block_tokens: float, context_tokens: float, attn_pairs: float, labelled: float,
+                      train: bool = True) -> float:
+    """Model FLOPs without recompute (the MFU numerator), from totals over any number of steps.
 
     Drafter matmuls per block token (q, k, v, o, MLP per layer) and per context token (fc, and k, v per
     layer), attention scores and values per visible pair, the LM head per labelled slot. Backward costs
@@ -137,9 +138,12 @@ def step_flops(cfg, out: StepOut, context_tokens: int, train: bool = True) -> fl
     nq, nkv = cfg.num_heads * D, cfg.num_kv_heads * D
     per_block_token = cfg.num_layers * 2 * (H * nq + 2 * H * nkv + nq * H + 3 * H * I)
     per_ctx_token = 2 * cfg.num_features * H * H + cfg.num_layers * 2 * (2 * H * nkv)
-    attn = 4 * cfg.num_heads * D * float(out.attn_pairs)
-    fwd = out.block_tokens * per_block_token + context_tokens * per_ctx_token + attn
-    head = 2 * H * cfg.vocab_size * float(out.count_B.sum())
-    if not train:
-        return fwd + head
-    return 3 * fwd + 2 * head
+    fwd = block_tokens * per_block_token + context_tokens * per_ctx_token + 4 * cfg.num_heads * D * attn_pairs
+    head = 2 * H * cfg.vocab_size * labelled
+    return fwd + head if not train else 3 * fwd + 2 * head
+
+
+def step_flops(cfg, out: StepOut, context_tokens: int, train: bool = True) -> float:
+    """`flops_from_totals` of one step (reads two device scalars: a host sync)."""
+    return flops_from_totals(cfg, block_tokens=out.block_tokens, context_tokens=context_tokens,
+                             attn_pairs=float(out.attn_pairs), labelled=float(out.count_B.sum()), train=train)

@@ -32,7 +32,7 @@ from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, lo
 from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
 from dflash_pipeline.train.evaluate import evaluate
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, choose_mask_token_id, init_drafter_weights
-from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks, step_flops, step_generator
+from dflash_pipeline.train.step import Frozen, draw_anchors, flops_from_totals, run_blocks, step_generator
 
 PEAK_BF16_FLOPS = 790e12   # measured bf16 matmul peak of one H200 (see BENCHMARKS.md)
 
@@ -103,12 +103,15 @@ def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype
 
 
 class _StopFlag:
+    """`requested` by a signal on this rank; `set` once every rank agrees to stop after this step."""
+
     def __init__(self):
+        self.requested = False
         self.set = False
         self.signal = None
 
     def __call__(self, signum, frame):
-        self.set = True
+        self.requested = True
         self.signal = signum
 
 
@@ -248,7 +251,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
         return save_checkpoint(run_dir, step, model_state=model.state_dict(), optim_state=opt.state_dict(),
                                ema_state=ema, trainer_state=trainer_state(), keep=cfg.keep_checkpoints)
 
-    acc = _Accum(device, cfg.block_size)
+    acc = _Accum(device, dcfg)
     t_run, started_step, t_log = time.time(), step, time.time()
     loader.data_wait = 0.0
     steps_this_run = 0
@@ -271,7 +274,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                                          cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise,
                                          loss_chunk=cfg.loss_chunk, g=g, autocast=autocast)
                         (out.loss / len(batch)).backward()
-                    acc.add(out, step_flops(dcfg, out, b.tokens.numel()))
+                    acc.add(out, b.tokens.numel())
                 lr = _lr_at(cfg, step, total)
                 for group in opt.param_groups:
                     group["lr"] = lr
@@ -284,10 +287,14 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                 step += 1
                 steps_this_run += 1
                 batch_in_epoch += len(batch)
-                acc.grad_norm += float(gnorm)
+                acc.grad_norm = acc.grad_norm + gnorm.detach().double()
                 acc.steps += 1
-                if world > 1:
-                    flag = torch.tensor([float(stop.set)], device=device)
+                if world == 1:
+                    stop.set = stop.requested
+                elif step % 10 == 0 or step == total:
+                    # Ranks agree on a signal every 10 steps (the same steps everywhere), not every step:
+                    # each agreement is a host sync.
+                    flag = torch.tensor([float(stop.requested)], device=device)
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                     stop.set = bool(flag.item())
                 if cfg.stop_after is not None and steps_this_run >= cfg.stop_after:
@@ -374,45 +381,52 @@ def _do_eval(ddp, model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, worl
 
 
 class _Accum:
-    """Sums over a logging interval, reduced over ranks when logged."""
+    """Sums over a logging interval, kept on the device (no host sync per step), reduced over ranks
+    when logged. Slots of `v`: loss, ce, kl, cap, streak sum, blocks, attention pairs, labelled
+    slots, then correct and labelled counts per block slot."""
 
-    def __init__(self, device, block_size):
-        self.device, self.B = device, block_size
+    def __init__(self, device, dcfg):
+        self.device, self.dcfg, self.B = device, dcfg, dcfg.block_size
         self.clear()
 
     def clear(self):
         self.t0 = time.time()
         self.v = torch.zeros(8 + 2 * self.B, dtype=torch.float64, device=self.device)
-        self.grad_norm, self.steps = 0.0, 0
+        self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.steps = self.micro = 0
+        self.input_tokens = self.block_tokens = self.context_tokens = 0
 
-    def add(self, out, flops):
+    def add(self, out, context_tokens: int):
         B = self.B
         self.v[:8] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
-                                   out.streak_sum.double(), out.blocks.double(),
-                                   torch.tensor(float(out.input_tokens), device=self.device, dtype=torch.float64),
-                                   torch.tensor(float(out.block_tokens), device=self.device, dtype=torch.float64)])
+                                   out.streak_sum.double(), out.blocks.double(), out.attn_pairs.double(),
+                                   out.count_B.sum().double()])
         self.v[8:8 + B] += out.correct_B.double()
         self.v[8 + B:] += out.count_B.double()
-        self.flops = getattr(self, "flops", 0.0) + flops
-        self.micro = getattr(self, "micro", 0) + 1
+        self.input_tokens += out.input_tokens
+        self.block_tokens += out.block_tokens
+        self.context_tokens += context_tokens
+        self.micro += 1
 
     def reduce(self, world, dist) -> dict[str, Any]:
-        v = self.v.clone()
-        extra = torch.tensor([self.flops if hasattr(self, "flops") else 0.0], dtype=torch.float64, device=self.device)
+        ints = torch.tensor([self.input_tokens, self.block_tokens, self.context_tokens], dtype=torch.float64,
+                            device=self.device)
+        v = torch.cat([self.v, ints, self.grad_norm.view(1)])
         if dist is not None:
             dist.all_reduce(v)
-            dist.all_reduce(extra)
+        v = v.cpu()
         dt = max(time.time() - self.t0, 1e-9)
-        micro = max(getattr(self, "micro", 1), 1) * world
+        micro = max(self.micro, 1) * world
         B = self.B
-        correct, count = v[8:8 + B], v[8 + B:]
-        rec = {"loss": float(v[0] / micro), "ce": float(v[1] / micro), "kl": float(v[2] / micro),
-               "cap": float(v[3] / micro), "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
-               "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
-               "streak": float(v[4] / v[5].clamp_min(1)), "grad_norm": self.grad_norm / max(self.steps, 1),
-               "input_tok_s": float(v[6] / dt), "block_tok_s": float(v[7] / dt), "flops_per_s": float(extra[0] / dt)}
-        self.flops, self.micro = 0.0, 0
-        return rec
+        correct, count = v[8:8 + B], v[8 + B:8 + 2 * B]
+        input_tokens, block_tokens, context_tokens, grad_norm = (float(x) for x in v[8 + 2 * B:])
+        flops = flops_from_totals(self.dcfg, block_tokens=block_tokens, context_tokens=context_tokens,
+                                  attn_pairs=float(v[6]), labelled=float(v[7]))
+        return {"loss": float(v[0] / micro), "ce": float(v[1] / micro), "kl": float(v[2] / micro),
+                "cap": float(v[3] / micro), "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
+                "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
+                "streak": float(v[4] / v[5].clamp_min(1)), "grad_norm": grad_norm / max(self.steps * world, 1),
+                "input_tok_s": input_tokens / dt, "block_tok_s": block_tokens / dt, "flops_per_s": flops / dt}
 
 
 def _render(rec: dict[str, Any], total: int) -> str:
