@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8")
     ap.add_argument("--gpus", default="1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the stores (e.g. to measure training's data wait on them)")
     ap.add_argument("--smoke", action="store_true", help="tiny target and data (CPU is fine): check the script runs")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else QWEN3_8B
@@ -161,7 +162,8 @@ def main() -> None:
         if baseline is None:
             baseline = bare_forward(target, store, args.tokens_per_batch)
             results["bare_forward_tok_per_s_1gpu"] = baseline
-        shutil.rmtree(store, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(store, ignore_errors=True)
     n = int(args.gpus)
     print(f"\n{results['gpu']} x{n}: bare forward (1 GPU) {baseline:,.0f} tok/s")
     for codec, r in results["runs"].items():
