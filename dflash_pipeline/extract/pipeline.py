@@ -37,7 +37,7 @@ from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.codecs import get_codec
-from dflash_pipeline.store.manifest import committed_segments, rebuild_manifest
+from dflash_pipeline.store.manifest import committed_segments, read_commits, rebuild_manifest
 from dflash_pipeline.store.writer import StoreWriter, now_iso
 
 
@@ -243,8 +243,9 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
     from dflash_pipeline.store.stats import compute_stats
 
     kv = KV(open_zarr_store(cfg.out, read_only=False))
-    rebuild_manifest(kv)
-    s = compute_stats(cfg.out, sample=1024)
+    commits = read_commits(kv, committed_segments(kv))   # read once: for the manifest and the summary
+    rebuild_manifest(kv, commits)
+    s = compute_stats(cfg.out, sample=1024, commits=commits)
     done_tokens = sum(r.get("tokens", 0) for r in results if r)
     record = {
         "command": "extract", "run_id": prep.run_id, "tool_version": __version__, "finished": now_iso(),

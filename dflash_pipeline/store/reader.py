@@ -26,6 +26,7 @@ from dflash_pipeline.schemas.store import (
 )
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.codecs import get_codec
+from dflash_pipeline.store.writer import crc32c
 from dflash_pipeline.store.manifest import (
     committed_segments, manifest_from_commits, read_commits, read_manifest,
 )
@@ -61,12 +62,6 @@ class SegmentData:
     @property
     def num_samples(self) -> int:
         return len(self.sample_ids)
-
-
-def _crc(arr: np.ndarray) -> int:
-    from dflash_pipeline.store.writer import crc32c
-
-    return crc32c(arr)
 
 
 def expected_chunk_keys(prefix: str, meta: dict[str, Any]) -> list[str]:
@@ -277,13 +272,13 @@ class StoreReader:
             if name == "hidden":
                 layer_idx = idx if idx is not None else list(range(arr.shape[1]))
                 for j, l in enumerate(layer_idx):
-                    if _crc(arr[:, j]) != want[l]:
+                    if crc32c(arr[:, j]) != want[l]:
                         raise CorruptSegmentError(self.url, segment, name,
                                                   f"checksum mismatch in layer {self.meta.layer_ids[l]} "
                                                   "(missing or altered chunk)")
             elif name == "hidden_scale" and idx is not None and idx != list(range(len(self.meta.layer_ids))):
                 continue  # its CRC covers all layers; inner-chunk CRC32C still checked what was read
-            elif _crc(arr) != want[0]:
+            elif crc32c(arr) != want[0]:
                 raise CorruptSegmentError(self.url, segment, name, "checksum mismatch (missing or altered chunk)")
 
     def iter_segments(self, order: Iterable[int] | None = None, layers: Iterable[int] | None = None,
@@ -307,7 +302,7 @@ class StoreReader:
         except Exception:
             raise StoreError(f"{self.url}: target tensor '{name}' is missing") from None
         data = arr[...]
-        if _crc(data) != arr.attrs.get("crc32c"):
+        if crc32c(data) != arr.attrs.get("crc32c"):
             raise StoreError(f"{self.url}: target tensor '{name}' fails its checksum")
         t = torch.from_numpy(np.ascontiguousarray(data))
         if arr.attrs.get("logical_dtype") == "bfloat16":

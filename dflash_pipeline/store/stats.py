@@ -21,7 +21,8 @@ from dflash_pipeline.store.reader import StoreReader
 HIST_BINS = 20
 
 
-def _incomplete(reader: StoreReader, committed: set[int]) -> list[int]:
+def incomplete_segments(reader: StoreReader, committed: set[int]) -> list[int]:
+    """Segment folders without a commit marker (a crashed or running writer)."""
     out = []
     for name in reader.kv.list_dir(SEGMENTS_PREFIX):
         if name.isdigit() and int(name) not in committed:
@@ -29,16 +30,20 @@ def _incomplete(reader: StoreReader, committed: set[int]) -> list[int]:
     return sorted(out)
 
 
-def compute_stats(url: str, sample: int | None = 256, seed: int = 0) -> dict[str, Any]:
+def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
+                  commits: dict[int, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """`commits`: markers already read by the caller (by segment); the ones needed are not read again."""
     reader = StoreReader(url)
     meta = reader.meta
     committed = committed_segments(reader.kv)
-    incomplete = _incomplete(reader, set(committed))
+    incomplete = incomplete_segments(reader, set(committed))
     chosen = committed
     sampled = sample is not None and 0 < sample < len(committed)
     if sampled:
         chosen = sorted(random.Random(seed).sample(committed, sample))
-    commits = {s: c for s, c in read_commits(reader.kv, chosen).items() if c is not None}
+    missing = [s for s in chosen if commits is None or s not in commits]
+    known = {} if commits is None else {s: commits[s] for s in chosen if s in commits}
+    commits = {s: c for s, c in {**known, **read_commits(reader.kv, missing)}.items() if c is not None}
 
     lengths = reader.column("length") if reader.num_samples else np.zeros(0, dtype=np.int64)
     supervised = reader.column("supervised") if reader.num_samples else np.zeros(0, dtype=np.int64)

@@ -20,7 +20,7 @@ from dflash_pipeline.schemas.store import commit_key, segment_path
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.manifest import committed_segments, read_manifest, rebuild_manifest
 from dflash_pipeline.store.reader import StoreReader
-from dflash_pipeline.store.stats import _incomplete
+from dflash_pipeline.store.stats import incomplete_segments
 
 
 @dataclass
@@ -69,7 +69,7 @@ def verify_store(url: str, *, repair: bool = False, drop_corrupt: bool = False, 
     reader = StoreReader(url)
     report = VerifyReport(store=url)
     committed = committed_segments(reader.kv)
-    report.incomplete = _incomplete(reader, set(committed))
+    report.incomplete = incomplete_segments(reader, set(committed))
 
     done = 0
 

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from dflash_pipeline.errors import ConfigMismatchError, CorruptSegmentError
+from dflash_pipeline.errors import ConfigMismatchError, CorruptSegmentError, StoreError
 
 LOADER_STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1
@@ -347,7 +347,7 @@ class StreamingLoader:
                         continue
                     if kind == "error":
                         if idx.startswith(self.reader.url):  # a store problem, already one clear line
-                            raise _loader_error(idx)
+                            raise StoreError(idx)
                         raise RuntimeError(f"data loader worker failed: {idx}")
                     self._note(problems)
                     pending[idx] = rows
@@ -447,12 +447,6 @@ class StreamingLoader:
             t.join()
         if err:
             raise err[0]
-
-
-def _loader_error(msg: str) -> Exception:
-    from dflash_pipeline.errors import StoreError
-
-    return StoreError(msg)
 
 
 def _stack_meta(rows: list[dict[str, Any]]) -> tuple[int, list[int]]:

@@ -9,6 +9,7 @@ continues exactly (same anchors, noise and batches) and refuses another store or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -251,6 +252,10 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
         return save_checkpoint(run_dir, step, model_state=model.state_dict(), optim_state=opt.state_dict(),
                                ema_state=ema, trainer_state=trainer_state(), keep=cfg.keep_checkpoints)
 
+    def run_eval() -> dict[str, Any]:
+        return _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device, autocast, step,
+                        metrics, trackers, line)
+
     acc = _Accum(device, dcfg)
     t_run, started_step, t_log = time.time(), step, time.time()
     loader.data_wait = 0.0
@@ -267,7 +272,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                 g = step_generator(cfg.seed, rank, step, device)
                 for i, b in enumerate(batch):
                     anchors = draw_anchors(b, cfg.max_anchors, g, cfg.block_size)
-                    ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else _nullctx()
+                    ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else contextlib.nullcontext()
                     with ctx:
                         out = run_blocks(ddp, frozen, b, anchors.to(device), block_size=cfg.block_size,
                                          mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.kl_weight,
@@ -315,8 +320,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                         trackers.log(rec, step)
                         line.update(_render(rec, total), force=True)
                 if cfg.eval_every and step % cfg.eval_every == 0 and len(eval_rows):
-                    last_eval = _do_eval(ddp, model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world,
-                                         device, autocast, step, metrics, trackers, line)
+                    last_eval = run_eval()
                 if cfg.save_every and step % cfg.save_every == 0 and not stop.set:
                     save()
                 if step >= total or stop.set:
@@ -325,8 +329,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
             else:
                 epoch, batch_in_epoch = epoch + 1, 0
                 if not cfg.eval_every and len(eval_rows):
-                    last_eval = _do_eval(ddp, model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world,
-                                         device, autocast, step, metrics, trackers, line)
+                    last_eval = run_eval()
                 continue
             if batch_in_epoch >= loader.steps_per_epoch():
                 epoch, batch_in_epoch = epoch + 1, 0
@@ -339,14 +342,12 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                                "seconds": time.time() - t_run, "corrupt_segments_skipped": loader.corrupt}
     if finished:
         if not last_eval.get("step") == step and len(eval_rows):
-            last_eval = _do_eval(ddp, model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device,
-                                 autocast, step, metrics, trackers, line)
+            last_eval = run_eval()
         summary["eval"] = last_eval
         if rank == 0:
             from dflash_pipeline.train.export import export_drafter
 
-            weights = {k: v for k, v in (ema or model.state_dict()).items()}
-            final = export_drafter(weights, dcfg, run_dir / "final", extra={"dflash_pipeline": {
+            final = export_drafter(ema or model.state_dict(), dcfg, run_dir / "final", extra={"dflash_pipeline": {
                 "store_fingerprint": store_fp, "step": step, "ema": cfg.ema, "eval": last_eval,
                 "tool_version": __version__}})
             summary["final"] = str(final)
@@ -365,7 +366,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     return summary
 
 
-def _do_eval(ddp, model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device, autocast, step,
+def _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device, autocast, step,
              metrics, trackers, line) -> dict[str, Any]:
     model.eval()
     res = evaluate(model, frozen, reader, eval_rows[rank::world], dcfg, gamma=gamma, device=device,
@@ -482,14 +483,6 @@ def _grouped(it, n: int):
                 group = []
     finally:
         it.close()
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _in_main_thread() -> bool:
