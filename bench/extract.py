@@ -128,7 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     shape = SMOKE if args.smoke else QWEN3_8B
     if args.smoke:
-        args.tokens = min(args.tokens, 4000)
+        args.tokens = min(args.tokens, 30000)
     from dflash_pipeline.extract.pipeline import run_extract
     from dflash_pipeline.schemas.config import ExtractConfig
 

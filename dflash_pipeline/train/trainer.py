@@ -319,6 +319,12 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                         metrics.write({"type": "train", **rec})
                         trackers.log(rec, step)
                         line.update(_render(rec, total), force=True)
+                elif rank == 0:
+                    # Between logged steps: a line with no device sync (on a terminal every step, in a
+                    # log every 30 s), so a slow first interval never looks like a hang.
+                    el = time.time() - t_run
+                    line.update(f"step {step:,}/{total:,}  {el:.0f}s  data wait {loader.data_wait:.1f}s  "
+                                f"ETA {fmt_duration((total - step) * el / max(1, step - started_step))}")
                 if cfg.eval_every and step % cfg.eval_every == 0 and len(eval_rows):
                     last_eval = run_eval()
                 if cfg.save_every and step % cfg.save_every == 0 and not stop.set:

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and GPU-only checks of one machine, in one go, each under its own time limit so
+# that one failure does not cost the others. Everything lands in OUTDIR: log.txt (all output) and the
+# JSON results of each part.
+#
+#   bench/gpu_all.sh OUTDIR [PART ...]
+#   PART: cuda-tests extract train-store eval codecs train-step   (default: all, in that order)
+#   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
+#         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
+#         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
+#
+# Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
+set -u
+out=${1:?usage: bench/gpu_all.sh OUTDIR [PART ...]}
+shift
+parts=${*:-cuda-tests extract train-store eval codecs train-step}
+gpus=${GPUS:-1}
+work=${WORK:-/tmp/dflash-bench}
+tok=${TOKENIZER:-.bench_assets/tokenizer}
+py=${PYTHON:-python3}
+tokens=${TOKENS:-400000}
+smoke=()
+train_args=(--steps 60 --log-every 10 --eval-every 60 --num-workers 8)
+if [ "${SMOKE:-0}" = 1 ]; then
+  smoke=(--smoke)
+  train_args=(--steps 12 --log-every 4 --eval-every 12 --num-workers 2 --num-layers 1 --max-anchors 16
+              --max-length 1024 --tokens-per-batch 2048)
+fi
+mkdir -p "$out"
+log="$out/log.txt"
+
+part() {  # part NAME SECONDS CMD...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $* ($(date -u +%T))" | tee -a "$log"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$log"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2; } >>"$log" 2>&1
+
+for p in $parts; do
+  case $p in
+  cuda-tests)
+    part cuda-tests 180 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
+  extract)
+    part extract 330 "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
+      --keep --json "$out/extract.json" "${smoke[@]}" ;;
+  train-store)
+    # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path.
+    rm -rf "$work/run"
+    part train-store 240 "$py" -m dflash_pipeline train --store "$work/store-bf16" --out "$work/run" --gpus "$gpus" \
+      "${train_args[@]}"
+    cp "$work/run/metrics.jsonl" "$out/train-store-metrics.jsonl" 2>/dev/null ;;
+  eval)
+    "$py" - "$work" <<'EOF'
+import json, sys
+with open(sys.argv[1] + "/prompts.jsonl", "w") as f:
+    for i in range(8):
+        f.write(json.dumps({"prompt": f"w{i} w{i + 1} the model of token cache w{i * 7}"}) + "\n")
+EOF
+    part eval 150 "$py" -m dflash_pipeline eval --drafter "$work/run/final" --target "$work/qwen3-8b-random" \
+      --prompts "$work/prompts.jsonl" --num-prompts 8 --max-new-tokens 64 ;;
+  codecs)
+    part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
+  train-step)
+    part train-step 240 "$py" bench/train.py --json "$out/train-step.json" "${smoke[@]}" ;;
+  *) echo "unknown part $p" | tee -a "$log" ;;
+  esac
+done
