@@ -44,14 +44,14 @@ part() {  # part NAME SECONDS CMD...
 for p in $parts; do
   case $p in
   cuda-tests)
-    part cuda-tests 180 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
+    part cuda-tests 90 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
   extract)
-    part extract 330 "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
+    part extract 300 "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
       --keep --json "$out/extract.json" "${smoke[@]}" ;;
   train-store)
     # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path.
     rm -rf "$work/run"
-    part train-store 240 "$py" -m dflash_pipeline train --store "$work/store-bf16" --out "$work/run" --gpus "$gpus" \
+    part train-store 170 "$py" -m dflash_pipeline train --store "$work/store-bf16" --out "$work/run" --gpus "$gpus" \
       "${train_args[@]}"
     cp "$work/run/metrics.jsonl" "$out/train-store-metrics.jsonl" 2>/dev/null ;;
   eval)
@@ -61,7 +61,7 @@ with open(sys.argv[1] + "/prompts.jsonl", "w") as f:
     for i in range(8):
         f.write(json.dumps({"prompt": f"w{i} w{i + 1} the model of token cache w{i * 7}"}) + "\n")
 EOF
-    part eval 150 "$py" -m dflash_pipeline eval --drafter "$work/run/final" --target "$work/qwen3-8b-random" \
+    part eval 90 "$py" -m dflash_pipeline eval --drafter "$work/run/final" --target "$work/qwen3-8b-random" \
       --prompts "$work/prompts.jsonl" --num-prompts 8 --max-new-tokens 64 ;;
   codecs)
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
