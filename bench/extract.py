@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8")
     ap.add_argument("--gpus", default="1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--store-dir", default=None, help="where the stores go (default: --work); e.g. /dev/shm to "
+                    "take the disk out of the measurement")
     ap.add_argument("--keep", action="store_true", help="keep the stores (e.g. to measure training's data wait on them)")
     ap.add_argument("--smoke", action="store_true", help="tiny target and data (CPU is fine): check the script runs")
     args = ap.parse_args()
@@ -144,7 +146,7 @@ def main() -> None:
                "gpus": args.gpus, "shape": shape, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
     baseline = None
     for codec in args.codecs.split(","):
-        store = os.path.join(args.work, f"store-{codec}")
+        store = os.path.join(args.store_dir or args.work, f"store-{codec}")
         shutil.rmtree(store, ignore_errors=True)
         cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
                             tokens_per_batch=args.tokens_per_batch, segment_tokens=32768, gpus=args.gpus,
@@ -158,7 +160,9 @@ def main() -> None:
                                   "codec_rel_rmse": rec["store"]["codec_rel_rmse"],
                                   "wait_staging_s": [w["wait_staging_s"] for w in rec["workers"]],
                                   "wait_write_s": [w["wait_write_s"] for w in rec["workers"]],
-                                  "seconds": [w["seconds"] for w in rec["workers"]]}
+                                  "seconds": [w["seconds"] for w in rec["workers"]],
+                                  "gpu_busy_s": [w.get("gpu_busy_s") for w in rec["workers"]],
+                                  "store_dir": args.store_dir or args.work}
         if baseline is None:
             baseline = bare_forward(target, store, args.tokens_per_batch)
             results["bare_forward_tok_per_s_1gpu"] = baseline
@@ -171,7 +175,8 @@ def main() -> None:
         r["ratio_vs_bare_forward"] = ratio
         print(f"  dflash extract {codec:5s}: {r['tok_per_s']:,.0f} tok/s = {ratio:.3f} x {n} x bare forward; "
               f"{r['bytes_per_token']:,.0f} B/token ({r['compression_ratio']:.2f}x), "
-              f"blocked on staging {sum(r['wait_staging_s']):.1f}s, on writes {sum(r['wait_write_s']):.1f}s")
+              f"blocked on staging {sum(r['wait_staging_s']):.1f}s, on writes {sum(r['wait_write_s']):.1f}s; "
+              f"GPU busy {r['gpu_busy_s']} of {r['seconds']} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -4,9 +4,11 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval codecs train-step   (default: all, in that order)
+#   PART: cuda-tests extract train-store eval codecs train-step disk   (default: all but disk, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
+#         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
+#         STEPS (train-store steps, default 60)
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
@@ -19,14 +21,16 @@ work=${WORK:-/tmp/dflash-bench}
 tok=${TOKENIZER:-.bench_assets/tokenizer}
 py=${PYTHON:-python3}
 tokens=${TOKENS:-400000}
+codecs=${CODECS:-bf16,fp8}
+stores=${STORE_DIR:-$work}
 smoke=()
-train_args=(--steps 60 --log-every 10 --eval-every 60 --num-workers 8)
+train_args=(--steps "${STEPS:-60}" --log-every 10 --eval-every "${STEPS:-60}" --num-workers 8)
 if [ "${SMOKE:-0}" = 1 ]; then
   smoke=(--smoke)
   train_args=(--steps 12 --log-every 4 --eval-every 12 --num-workers 2 --num-layers 1 --max-anchors 16
               --max-length 1024 --tokens-per-batch 2048)
 fi
-mkdir -p "$out"
+mkdir -p "$out" "$work"
 log="$out/log.txt"
 
 part() {  # part NAME SECONDS CMD...
@@ -47,11 +51,11 @@ for p in $parts; do
     part cuda-tests 90 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
   extract)
     part extract 300 "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
-      --keep --json "$out/extract.json" "${smoke[@]}" ;;
+      --codecs "$codecs" --store-dir "$stores" --keep --json "$out/extract.json" "${smoke[@]}" ;;
   train-store)
     # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path.
     rm -rf "$work/run"
-    part train-store 170 "$py" -m dflash_pipeline train --store "$work/store-bf16" --out "$work/run" --gpus "$gpus" \
+    part train-store 170 "$py" -m dflash_pipeline train --store "$stores/store-bf16" --out "$work/run" --gpus "$gpus" \
       "${train_args[@]}"
     cp "$work/run/metrics.jsonl" "$out/train-store-metrics.jsonl" 2>/dev/null ;;
   eval)
@@ -67,6 +71,10 @@ EOF
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
   train-step)
     part train-step 240 "$py" bench/train.py --json "$out/train-step.json" "${smoke[@]}" ;;
+  disk)
+    # Sequential write bandwidth of the disk under WORK (direct I/O, no page cache), and of STORE_DIR.
+    part disk 60 dd if=/dev/zero of="$work/dd.bin" bs=16M count=256 oflag=direct
+    rm -f "$work/dd.bin" ;;
   *) echo "unknown part $p" | tee -a "$log" ;;
   esac
 done

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from dflash_pipeline.train.masks import MaskLayout, choose_backend, dense_mask
+from dflash_pipeline.train.masks import MaskLayout, choose_backend, dense_mask, flex_block_mask, tile_visibility
 
 from test_model import B, packed_batch, random_drafter, tiny_config
 
@@ -35,6 +35,49 @@ def test_mask_mod_equals_dense_mask(causal, window):
     flex = create_mask(layout.mask_mod(causal, window), layout.num_rows, None, layout.num_queries,
                        layout.num_keys, device="cpu")
     assert torch.equal(flex.bool(), dense_mask(layout, causal, window))
+
+
+@pytest.mark.parametrize("causal,window", KINDS)
+@pytest.mark.parametrize("tile", [4, 8, 16, 128])
+def test_tile_bounds_match_the_dense_mask(causal, window, tile):
+    """Block sparsity from per-tile bounds against the dense mask reduced per tile: a tile with a
+    visible pair is never skipped, a tile marked full has every pair visible, and the BlockMask stands
+    for exactly the dense mask."""
+    layout = _layout()
+    R, Q, K = layout.num_rows, layout.num_queries, layout.num_keys
+    nQ, nK = -(-Q // tile), -(-K // tile)
+    dense = torch.nn.functional.pad(dense_mask(layout, causal, window)[:, 0], (0, nK * tile - K, 0, nQ * tile - Q))
+    valid = torch.nn.functional.pad(torch.ones(R, Q, K, dtype=torch.bool), (0, nK * tile - K, 0, nQ * tile - Q))
+    dense = dense.view(R, nQ, tile, nK, tile)
+    valid = valid.view(R, nQ, tile, nK, tile)
+    true_any = dense.any(4).any(2)
+    true_full = (dense | ~valid).all(4).all(2) & valid.all(4).all(2)
+    got_any, got_full = tile_visibility(layout, causal, window, tile)
+    assert not (true_any & ~got_any).any(), "a tile with visible pairs would be skipped"
+    assert not (got_full & ~true_full).any(), "a tile marked full has invisible pairs"
+    # (Bounds are loose only in tiles that straddle two samples; those stay partial and exact.)
+    # The BlockMask stands for exactly the dense mask.
+    bm = flex_block_mask(layout, causal, window, tile=tile)
+    assert torch.equal(_render(bm, layout), dense_mask(layout, causal, window)[:, 0])
+
+
+def _render(bm, layout):
+    """Dense [R, Q, K] mask a BlockMask stands for: full tiles True, partial tiles by mask_mod."""
+    R, Q, K = layout.num_rows, layout.num_queries, layout.num_keys
+    tq, tk = bm.BLOCK_SIZE
+    blocks = bm.to_dense()[:, 0].bool()  # [R, nQ, nK]: tile kept (partial or full)
+    full = torch.zeros_like(blocks)
+    if bm.full_kv_num_blocks is not None:
+        for r in range(R):
+            for i in range(blocks.shape[1]):
+                n = int(bm.full_kv_num_blocks[r, 0, i])
+                full[r, i, bm.full_kv_indices[r, 0, i, :n].long()] = True
+    q = torch.arange(Q)[:, None]
+    k = torch.arange(K)[None, :]
+    keep = blocks[:, q // tq, k // tk]
+    fullm = full[:, q // tq, k // tk]
+    exact = torch.stack([bm.mask_mod(torch.tensor(r), None, q, k) for r in range(R)])
+    return fullm | (keep & exact)
 
 
 def test_dense_mask_by_hand():

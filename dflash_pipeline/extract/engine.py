@@ -135,6 +135,10 @@ class Engine:
         self.t_start = time.time()
         self.c = {"tokens_gpu": 0, "samples_gpu": 0, "tokens": 0, "samples": 0, "segments": 0, "bytes": 0,
                   "wait_staging": 0.0, "wait_write": 0.0, "writing": 0}
+        # Compute-stream time of each batch (forward, top-k, encode): against the loop's wall time it
+        # says whether the GPU was kept busy. Resolved lazily, a few batches behind, to avoid syncs.
+        self.gpu_events: list = []
+        self.gpu_busy_s = 0.0
         self.collector = threading.Thread(target=self._collect, name="dflash-collect", daemon=True)
         self.collector.start()
 
@@ -159,12 +163,19 @@ class Engine:
             ids = torch.zeros((len(batch), S), dtype=torch.long)
             for r, i in enumerate(batch):
                 ids[r, :lens[r]] = torch.from_numpy(sp.input_ids[i].astype(np.int64))
+            if self.cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
             out = self.runner.run_batch(ids, lens)
             enc = self.codec.encode(out.hidden_NLH)
             st = hidden_layer_stats(out.hidden_NLH)
             small = torch.stack([st["count"], st["sum"], st["sumsq"], st["absmax"], st["nonfinite"],
                                  enc.err_sq_L, enc.ref_sq_L, enc.max_abs_err_L])
+            if self.cuda:
+                ev[1].record()
+                self.gpu_events.append(ev)
             self._transfer(asm, batch, sum(lens), enc, out, small)
+            self._resolve_gpu_time(8)
             self.c["tokens_gpu"] += sum(lens)
             self.c["samples_gpu"] += len(batch)
 
@@ -262,12 +273,20 @@ class Engine:
                 "segments_in_flight": self.cfg.inflight_segments - self.slots._value,  # noqa: SLF001
                 "segments_max": self.cfg.inflight_segments}
 
+    def _resolve_gpu_time(self, keep: int) -> None:
+        while len(self.gpu_events) > keep:
+            a, b = self.gpu_events.pop(0)
+            b.synchronize()
+            self.gpu_busy_s += a.elapsed_time(b) / 1e3
+
     def summary(self) -> dict[str, Any]:
+        self._resolve_gpu_time(0)
         elapsed = time.time() - self.t_start
         return {"rank": self.rank, "device": str(self.device), "seconds": elapsed,
                 "segments": self.c["segments"], "samples": self.c["samples"], "tokens": self.c["tokens"],
                 "bytes": self.c["bytes"], "tokens_per_second": self.c["tokens"] / elapsed if elapsed else 0.0,
-                "wait_staging_s": self.c["wait_staging"], "wait_write_s": self.c["wait_write"]}
+                "wait_staging_s": self.c["wait_staging"], "wait_write_s": self.c["wait_write"],
+                "gpu_busy_s": self.gpu_busy_s if self.cuda else None}
 
 
 class Reporter:

@@ -156,16 +156,102 @@ def dense_mask(layout: MaskLayout, causal: bool, window: int | None) -> torch.Te
     return mask_RQK[:, None]
 
 
-def flex_block_mask(layout: MaskLayout, causal: bool, window: int | None):
-    """FlexAttention BlockMask of the same predicate (built with a compiled kernel on CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_mask(layout: MaskLayout, causal: bool, window: int | None, tile: int = 128):
+    """FlexAttention BlockMask of the same predicate, built from per-tile bounds with plain tensor ops.
 
+    `create_block_mask` evaluates the predicate on every (query, key) pair through a compiled kernel;
+    at training shapes (32K block queries x 35K keys) that kernel takes minutes to compile. Here each
+    query is compared with per-key-tile bounds instead (min/max of position, sample and block id of the
+    tile's context keys and block keys): [R, Q, K/tile] work, no compilation. A tile is skipped only
+    when the bounds prove no key visible, and marked full only when they prove every key visible; the
+    rest are partial tiles, where the kernel evaluates `visible` itself, so the result is exact for any
+    layout (and the bounds are tight for packed rows, where they decide nearly every tile).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    any_RTK, full_RTK = tile_visibility(layout, causal, window, tile)
+    partial_RTK = any_RTK & ~full_RTK
+
+    def sparse(m_RTK):
+        num = m_RTK.sum(-1, dtype=torch.int32)
+        idx = torch.argsort((~m_RTK).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num[:, None].contiguous(), idx[:, None].contiguous()
+
+    kv_num, kv_idx = sparse(partial_RTK)
+    full_num, full_idx = sparse(full_RTK)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+                                    mask_mod=layout.mask_mod(causal, window),
+                                    seq_lengths=(layout.num_queries, layout.num_keys))
+
+
+def tile_visibility(layout: MaskLayout, causal: bool, window: int | None, tile: int = 128):
+    """Per (row, query tile, key tile): (any key visible to some query, every key visible to every query).
+
+    `any` may be True for a tile that has no visible pair (it is then a partial tile, evaluated
+    exactly) but is never False for one that has; `full` is True only when every pair is visible.
+    """
+    R, Q, K, S = layout.num_rows, layout.num_queries, layout.num_keys, layout.num_ctx
     device = layout.q_pos_RQ.device
-    return create_block_mask(
-        layout.mask_mod(causal, window),
-        B=layout.num_rows, H=None, Q_LEN=layout.num_queries, KV_LEN=layout.num_keys,
-        device=device, _compile=device.type == "cuda",
-    )
+    nQ, nK = -(-Q // tile), -(-K // tile)
+    big = torch.iinfo(torch.int64).max // 4
+    kv_idx = torch.arange(nK * tile, device=device)
+    in_range = kv_idx < K
+    is_ctx = (kv_idx < S)[None].expand(R, -1)
+    is_blk = (in_range & (kv_idx >= S))[None].expand(R, -1)
+
+    def bounds(x_RK, sel_RK):
+        x = torch.nn.functional.pad(x_RK.long(), (0, nK * tile - K))
+        lo = torch.where(sel_RK, x, big).view(R, nK, tile).amin(-1)
+        hi = torch.where(sel_RK, x, -big).view(R, nK, tile).amax(-1)
+        return lo[:, None], hi[:, None]  # [R, 1, nK]
+
+    ctx_doc, ctx_pos = bounds(layout.kv_doc_RK, is_ctx), bounds(layout.kv_pos_RK, is_ctx)
+    blk_doc, blk_pos = bounds(layout.kv_doc_RK, is_blk), bounds(layout.kv_pos_RK, is_blk)
+    blk_id = bounds(layout.kv_block_RK, is_blk)
+    has_ctx = is_ctx.reshape(R, nK, tile).any(-1)[:, None]
+    has_blk = is_blk.reshape(R, nK, tile).any(-1)[:, None]
+    complete = in_range.view(nK, tile).all(-1)[None, None]
+
+    q_pos, q_anchor = layout.q_pos_RQ[:, :, None], layout.q_anchor_RQ[:, :, None]
+    q_doc, q_block = layout.q_doc_RQ[:, :, None], layout.q_block_RQ[:, :, None]
+    real = (q_block >= 0) & (q_doc >= 0)
+
+    def window_any(pos):
+        if window is None:
+            return True
+        ok = pos[1] > q_pos - window
+        return ok if causal else ok & (pos[0] < q_pos + window)
+
+    def window_all(pos):
+        if window is None:
+            return True
+        ok = pos[0] > q_pos - window
+        return ok if causal else ok & (pos[1] < q_pos + window)
+
+    def inside(v, b):
+        return (b[0] <= v) & (v <= b[1])
+
+    def equal(v, b):
+        return (b[0] == v) & (b[1] == v)
+
+    ctx_any = has_ctx & inside(q_doc, ctx_doc) & (ctx_pos[0] < q_anchor) & window_any(ctx_pos)
+    ctx_all = ~has_ctx | (equal(q_doc, ctx_doc) & (ctx_pos[1] < q_anchor) & window_all(ctx_pos))
+    blk_any = has_blk & inside(q_block, blk_id) & inside(q_doc, blk_doc) & window_any(blk_pos)
+    blk_all = ~has_blk | (equal(q_block, blk_id) & equal(q_doc, blk_doc) & window_all(blk_pos))
+    if causal:
+        blk_any = blk_any & (blk_pos[0] <= q_pos)
+        blk_all = blk_all & (blk_pos[1] <= q_pos)
+    any_RQK = real & (ctx_any | blk_any)
+    full_RQK = real & ctx_all & blk_all & complete
+    # Padding queries see only their own key (S + q).
+    own_tile = (S + torch.arange(Q, device=device))[None, :, None] // tile == torch.arange(nK, device=device)
+    any_RQK = any_RQK | (~real & own_tile)
+
+    def per_tile(x_RQK, reduce):
+        x = torch.nn.functional.pad(x_RQK, (0, 0, 0, nQ * tile - Q), value=False).view(R, nQ, tile, nK)
+        return x.any(2) if reduce == "any" else x.all(2)
+
+    return per_tile(any_RQK, "any"), per_tile(full_RQK, "all")
 
 
 def build_mask(layout: MaskLayout, causal: bool, window: int | None, backend: Backend):
