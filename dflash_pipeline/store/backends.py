@@ -97,7 +97,8 @@ class KV:
         buf = self._sync(self.zstore.get(key, prototype=default_buffer_prototype()))
         return None if buf is None else buf.to_bytes()
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value) -> None:
+        """`value`: bytes or any contiguous uint8 buffer (numpy array)."""
         from zarr.core.buffer import default_buffer_prototype
 
         self._sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(value)))

@@ -46,25 +46,37 @@ def numcodecs_blosc(zarr_blosc):
     return numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle, blocksize=cfg["blocksize"])
 
 
-def _encode_chunk(data_TLH: np.ndarray, layer: int, a: int, C: int, blosc) -> bytes:
-    """Inner chunk [C, 1, H] of `layer` from token a: C-order bytes (zero-padded past T), blosc, crc32c."""
+def _encode_chunk(data_TLH: np.ndarray, layer: int, a: int, C: int, blosc) -> tuple[bytes, bytes]:
+    """Inner chunk [C, 1, H] of `layer` from token a: C-order bytes (zero-padded past T), blosc; returns
+    (compressed bytes, their crc32c). Kept apart: concatenating bytes copies under the GIL."""
     part = data_TLH[a:a + C, layer]
     if part.shape[0] < C:
         full = np.zeros((C, data_TLH.shape[2]), dtype=data_TLH.dtype)
         full[: part.shape[0]] = part
         part = full
     comp = blosc.encode(np.ascontiguousarray(part))
-    return bytes(comp) + _crc32c(comp)
+    return comp, _crc32c(comp)
 
 
-def _assemble(chunks: list[bytes]) -> bytes:
+def _assemble(chunks: list[tuple[bytes, bytes]]) -> np.ndarray:
+    """The shard's bytes as one uint8 array. Filled by numpy copies, which release the GIL: a shard is
+    tens to hundreds of MB, and a bytes join or concatenation holds the GIL for the whole copy, which
+    stalls the thread that launches the GPU work."""
+    sizes = [len(c) + len(crc) for c, crc in chunks]
     index = np.empty((len(chunks), 2), dtype="<u8")
-    offset = 0
-    for i, c in enumerate(chunks):
-        index[i] = (offset, len(c))
-        offset += len(c)
+    index[:, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if sizes else []
+    index[:, 1] = sizes
     index_bytes = index.tobytes()
-    return b"".join(chunks) + index_bytes + _crc32c(index_bytes)
+    total = sum(sizes)
+    out = np.empty(total + len(index_bytes) + 4, dtype=np.uint8)
+    pos = 0
+    for c, crc in chunks:
+        out[pos:pos + len(c)] = np.frombuffer(c, dtype=np.uint8)
+        out[pos + len(c):pos + len(c) + len(crc)] = np.frombuffer(crc, dtype=np.uint8)
+        pos += len(c) + len(crc)
+    out[pos:pos + len(index_bytes)] = np.frombuffer(index_bytes, dtype=np.uint8)
+    out[pos + len(index_bytes):] = np.frombuffer(_crc32c(index_bytes), dtype=np.uint8)
+    return out
 
 
 def write_layer_shards(kv, prefix: str, data_TLH: np.ndarray, C: int, zarr_blosc) -> None:
