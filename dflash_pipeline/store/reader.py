@@ -26,6 +26,7 @@ from dflash_pipeline.schemas.store import (
 )
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.codecs import get_codec
+from dflash_pipeline.store.shards import ShardError, our_shard_layout, read_layer_shards
 from dflash_pipeline.store.writer import crc32c
 from dflash_pipeline.store.manifest import (
     committed_segments, manifest_from_commits, read_commits, read_manifest,
@@ -248,15 +249,23 @@ class StoreReader:
         arrs = self._segment_arrays(segment)
         idx = self._layer_index(layers)
         raw: dict[str, np.ndarray] = {}
+        layer_crcs = None
         for name, arr in arrs.items():
-            if name == "hidden" and idx is not None and idx != list(range(len(self.meta.layer_ids))):
+            if name == "hidden" and (C := our_shard_layout(arr.metadata.to_dict())) is not None:
+                layer_idx = idx if idx is not None else list(range(arr.shape[1]))
+                try:
+                    raw[name], layer_crcs = read_layer_shards(self.kv, f"{segment_path(segment)}/hidden",
+                                                              tuple(arr.shape), arr.dtype, C, layer_idx)
+                except ShardError as e:
+                    raise CorruptSegmentError(self.url, segment, name, str(e)) from None
+            elif name == "hidden" and idx is not None and idx != list(range(len(self.meta.layer_ids))):
                 raw[name] = self._read(segment, name, arr, (slice(None), idx, slice(None)))
             elif name == "hidden_scale" and idx is not None:
                 raw[name] = self._read(segment, name, arr, (slice(None), idx))
             else:
                 raw[name] = self._read(segment, name, arr)
         if verify:
-            self._verify_raw(segment, c, raw, idx)
+            self._verify_raw(segment, c, raw, idx, layer_crcs)
         return SegmentData(
             segment=segment,
             tokens_T=raw["tokens"], loss_mask_T=raw["loss_mask"],
@@ -266,13 +275,14 @@ class StoreReader:
         )
 
     def _verify_raw(self, segment: int, c: dict[str, Any], raw: dict[str, np.ndarray],
-                    idx: list[int] | None) -> None:
+                    idx: list[int] | None, layer_crcs: list[int] | None = None) -> None:
         for name, arr in raw.items():
             want = c["arrays"][name]["crc32c"]
             if name == "hidden":
                 layer_idx = idx if idx is not None else list(range(arr.shape[1]))
                 for j, l in enumerate(layer_idx):
-                    if crc32c(arr[:, j]) != want[l]:
+                    got = layer_crcs[j] if layer_crcs is not None else crc32c(arr[:, j])
+                    if got != want[l]:
                         raise CorruptSegmentError(self.url, segment, name,
                                                   f"checksum mismatch in layer {self.meta.layer_ids[l]} "
                                                   "(missing or altered chunk)")

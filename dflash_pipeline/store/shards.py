@@ -95,3 +95,80 @@ def write_layer_shards(kv, prefix: str, data_TLH: np.ndarray, C: int, zarr_blosc
         shard_futures.append(pool.submit(kv.put, f"{prefix}/c/0/{l}/0", _assemble(chunks)))
     for f in shard_futures:
         f.result()
+
+
+def our_shard_layout(meta: dict) -> int | None:
+    """Inner chunk length C if an array's zarr metadata is the layout `write_layer_shards` writes
+    (one shard per layer, inner chunks [C, 1, H]: bytes, blosc, crc32c; index at the end with its
+    crc32c), else None (then read through zarr)."""
+    try:
+        (codec,) = meta["codecs"]
+        cfg = codec["configuration"]
+        inner = [c["name"] for c in cfg["codecs"]]
+        index = [c["name"] for c in cfg["index_codecs"]]
+        C, one, H = cfg["chunk_shape"]
+        T, _, H2 = meta["shape"]
+        shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    ok = (codec["name"] == "sharding_indexed" and inner == ["bytes", "blosc", "crc32c"]
+          and cfg["codecs"][0].get("configuration", {}).get("endian", "little") == "little"
+          and index == ["bytes", "crc32c"] and cfg["index_location"] == "end" and one == 1 and H == H2
+          and list(shard) == [max(1, -(-T // C)) * C, 1, H])
+    return C if ok else None
+
+
+class ShardError(ValueError):
+    """A shard file that is missing, truncated or fails a checksum (message names the part)."""
+
+
+def read_layer_shards(kv, prefix: str, shape_TLH: tuple[int, int, int], dtype, C: int,
+                      layers: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Read the hidden layers `layers` of an array in our shard layout: [T, len(layers), H] and, per
+    layer, the CRC32C of its raw [T, H] bytes (what the commit marker records), computed on the way.
+
+    Every inner chunk's CRC32C is checked before it is decompressed, straight from the shard bytes,
+    on a pool of threads (Blosc and the checksums release the GIL); no strided copy for the layer
+    checksums. Raises ShardError for a missing, truncated or altered shard.
+    """
+    import google_crc32c
+    import numcodecs
+
+    T, _, H = shape_TLH
+    n = max(1, -(-T // C))
+    out = np.empty((T, len(layers), H), dtype=dtype)
+    blosc = numcodecs.Blosc()
+    pool = encode_pool()
+
+    def one_layer(j: int, layer: int) -> int:
+        key = f"{prefix}/c/0/{layer}/0"
+        raw = kv.get(key)
+        if raw is None:
+            raise ShardError(f"missing chunk file c/0/{layer}/0")
+        buf = np.frombuffer(raw, dtype=np.uint8)
+        tail = n * 16 + 4
+        if len(buf) < tail:
+            raise ShardError(f"truncated chunk file c/0/{layer}/0")
+        index_bytes = buf[len(buf) - tail:len(buf) - 4]
+        if struct.pack("<I", google_crc32c.value(index_bytes)) != buf[len(buf) - 4:].tobytes():
+            raise ShardError(f"chunk file c/0/{layer}/0: index checksum mismatch (truncated or altered)")
+        index = index_bytes.view("<u8").reshape(n, 2)
+        tmp = np.empty((C, H), dtype=dtype)
+        crc = 0
+        for i in range(n):
+            off, nb = int(index[i, 0]), int(index[i, 1])
+            if nb < 4 or off + nb > len(buf) - tail:
+                raise ShardError(f"chunk file c/0/{layer}/0: inner chunk {i} out of bounds (truncated)")
+            comp = buf[off:off + nb - 4]
+            if struct.pack("<I", google_crc32c.value(comp)) != buf[off + nb - 4:off + nb].tobytes():
+                raise ShardError(f"chunk file c/0/{layer}/0: inner chunk {i} checksum mismatch")
+            blosc.decode(comp, out=tmp)
+            a, b = i * C, min(T, (i + 1) * C)
+            part = tmp[: b - a]
+            out[a:b, j] = part
+            crc = google_crc32c.extend(crc, part.reshape(-1).view(np.uint8)) if b > a else crc
+        return crc
+
+    futures = [pool.submit(one_layer, j, layer) for j, layer in enumerate(layers)]
+    crcs = [f.result() for f in futures]
+    return out, crcs

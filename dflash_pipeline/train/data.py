@@ -23,6 +23,7 @@ Legend: R rows per batch, S row length, L layers, H hidden, K top-k.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -184,10 +185,21 @@ class Batch:
 
 # -- building rows (runs in workers) ----------------------------------------------------------------
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """Uninitialised tensor; `shared`: allocated in shared memory, so that sending it to the trainer
+    process costs no copy (torch moves any other tensor into shared memory by copying it)."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)  # noqa: SLF001
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
 def build_window_rows(reader, window: Window, man_cols: dict[str, np.ndarray], layers: list[int],
-                      row_len: int, strict: bool) -> tuple[list[dict[str, torch.Tensor]], list[str]]:
+                      row_len: int, strict: bool, shared: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[str]]:
     """Read the window's segments and assemble its rows. Corrupt segments: their samples become
-    padding (the row structure, hence the step count, stays), unless strict."""
+    padding (the row structure, hence the step count, stays), unless strict. The feature rows (the
+    bulk: row_len x layers x hidden) are written once, straight into their final (shared) memory;
+    only their unfilled positions are zeroed."""
     segs, problems = {}, []
     for s in window.segments:
         try:
@@ -203,7 +215,8 @@ def build_window_rows(reader, window: Window, man_cols: dict[str, np.ndarray], l
         mask = np.zeros(row_len, bool)
         pos = np.zeros(row_len, np.int64)
         doc = np.full(row_len, -1, np.int64)
-        feats = None
+        feats = _empty((row_len, len(layers) * reader.meta.target.hidden_size), torch.bfloat16, shared)
+        filled = np.zeros(row_len, bool)
         ids = np.zeros((row_len, K), np.int64)
         lps = np.zeros((row_len, K), np.float32)
         sample_ids = []
@@ -222,15 +235,14 @@ def build_window_rows(reader, window: Window, man_cols: dict[str, np.ndarray], l
             pos[dst] = np.arange(p.n)
             doc[dst] = j
             h = sd.hidden_TLH[sl]
-            if feats is None:
-                feats = torch.zeros((row_len, h.shape[1] * h.shape[2]), dtype=h.dtype)
             feats[dst] = h.reshape(p.n, -1)
+            filled[dst] = True
             ids[dst] = sd.topk_ids_TK[sl]
             lps[dst] = sd.topk_logprobs_TK[sl]
             sample_ids.append(int(man_cols["sample_id"][p.row]))
             at += p.n
-        if feats is None:  # every sample of the row was in corrupt segments
-            feats = torch.zeros((row_len, len(layers) * reader.meta.target.hidden_size), dtype=torch.bfloat16)
+        if not filled.all():  # padding, and samples of corrupt segments
+            feats[torch.from_numpy(~filled)] = 0
         rows.append({"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
                      "pos": torch.from_numpy(pos), "doc": torch.from_numpy(doc), "features": feats,
                      "topk_ids": torch.from_numpy(ids), "topk_logprobs": torch.from_numpy(lps),
@@ -238,23 +250,86 @@ def build_window_rows(reader, window: Window, man_cols: dict[str, np.ndarray], l
     return rows, problems
 
 
-def _worker_main(url: str, windows: list[Window], man_cols: dict[str, np.ndarray], layers: list[int],
-                 row_len: int, strict: bool, out_q, stop) -> None:
+def _worker_main(url: str, man_cols: dict[str, np.ndarray], layers: list[int], row_len: int, strict: bool,
+                 task_q, out_q, stop) -> None:
+    """A persistent loader worker: builds the rows of each window it is given, for any epoch."""
     from dflash_pipeline.store.reader import StoreReader
 
     torch.set_num_threads(1)
     try:
         reader = StoreReader(url)
-        for w in windows:
-            if stop.is_set():
-                return
-            rows, problems = build_window_rows(reader, w, man_cols, layers, row_len, strict)
-            out_q.put(("window", w.index, rows, problems))
+        while not stop.is_set():
+            task = task_q.get()
+            if task is None:
+                break
+            key, window = task
+            rows, problems = build_window_rows(reader, window, man_cols, layers, row_len, strict, shared=True)
+            out_q.put(("window", key, rows, problems))
     except BaseException as e:  # surfaced in the trainer with its message
-        out_q.put(("error", repr(e) if not isinstance(e, CorruptSegmentError) else str(e), None, None))
+        out_q.put(("error", None, repr(e) if not isinstance(e, CorruptSegmentError) else str(e), None))
     # Tensors travel as shared-memory file descriptors that this process serves: stay alive until
     # the trainer has taken everything.
     stop.wait()
+
+
+class _WorkerPool:
+    """Worker processes started once per loader and kept across epochs (a spawn costs seconds: per
+    epoch, on a small store, it dominated the data wait). Windows are tasks keyed by (epoch, window);
+    results may arrive in any order and are handed out by key."""
+
+    def __init__(self, loader: StreamingLoader):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.url = loader.reader.url
+        self.task_q, self.out_q, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.procs = [ctx.Process(target=_worker_main, args=(self.url, loader.man_cols, loader.layers, loader.row_len,
+                                                             loader.strict, self.task_q, self.out_q, self.stop),
+                                  daemon=True) for _ in range(loader.num_workers)]
+        for p in self.procs:
+            p.start()
+        self.submitted: set[tuple[int, int]] = set()
+        self.ready: dict[tuple[int, int], tuple[list, list[str]]] = {}
+
+    def submit(self, key: tuple[int, int], window: Window) -> None:
+        if key not in self.submitted and key not in self.ready:
+            self.task_q.put((key, window))
+            self.submitted.add(key)
+
+    def outstanding(self) -> int:
+        return len(self.submitted) + len(self.ready)
+
+    def forget_before(self, epoch: int) -> None:
+        """Drop results of earlier epochs nobody will ask for (a run stopped or resumed mid-epoch)."""
+        for k in [k for k in self.ready if k[0] < epoch]:
+            del self.ready[k]
+
+    def get(self, key: tuple[int, int]) -> tuple[list, list[str]]:
+        while key not in self.ready:
+            try:
+                kind, k, rows, problems = self.out_q.get(timeout=5.0)
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise RuntimeError(f"data loader worker died (exit code {dead[0].exitcode})") from None
+                continue
+            if kind == "error":
+                if rows.startswith(self.url):  # a store problem, already one clear line
+                    raise StoreError(rows)
+                raise RuntimeError(f"data loader worker failed: {rows}")
+            self.submitted.discard(k)
+            self.ready[k] = (rows, problems)
+        return self.ready.pop(key)
+
+    def close(self) -> None:
+        self.stop.set()
+        for _ in self.procs:
+            self.task_q.put(None)
+        for p in self.procs:
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.terminate()
+        self.ready.clear()
 
 
 class StreamingLoader:
@@ -277,6 +352,7 @@ class StreamingLoader:
         self.data_wait = 0.0
         self.corrupt: list[str] = []
         self._plans: dict[int, EpochPlan] = {}
+        self._pool: _WorkerPool | None = None
 
     # -- planning -------------------------------------------------------------------------------------
 
@@ -308,10 +384,10 @@ class StreamingLoader:
             return
         needed = sorted({w for w, _ in order})
         windows = [plan.windows[w] for w in needed]
-        rows_iter = self._rows(windows, set(order))
+        rows_iter = self._rows(windows, set(order), epoch)
         yield from self._prefetched(self._batches(rows_iter))
 
-    def _rows(self, windows: list[Window], wanted: set[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+    def _rows(self, windows: list[Window], wanted: set[tuple[int, int]], epoch: int) -> Iterator[dict[str, Any]]:
         """Rows in window order, built in worker processes (or inline with num_workers=0)."""
         # A memory:// store lives in this process only: worker processes would see an empty one.
         if self.num_workers == 0 or self.reader.url.startswith("memory://"):
@@ -322,45 +398,36 @@ class StreamingLoader:
                     if (w.index, i) in wanted:
                         yield r
             return
-        import torch.multiprocessing as mp
+        if self._pool is None:
+            self._pool = _WorkerPool(self)
+        pool = self._pool
+        pool.forget_before(epoch)
+        # Tasks in flight are bounded; past this epoch's last windows the next epoch's first ones are
+        # started, so that an epoch boundary costs no wait.
+        limit = self.num_workers + self.prefetch
+        nxt = plan_epoch(self.man, ~self.holdout, epoch=epoch + 1, rank=self.rank, world=self.world, seed=self.seed,
+                         row_len=self.row_len, rows_per_batch=self.rows_per_batch,
+                         window_segments=self.window_segments).windows
+        ahead = [((epoch, w.index), w) for w in windows] + [((epoch + 1, w.index), w) for w in nxt]
+        k = 0
+        for j, w in enumerate(windows):
+            while k < len(ahead) and (k < j + limit or pool.outstanding() < limit):
+                pool.submit(*ahead[k])
+                k += 1
+            rows, problems = pool.get((epoch, w.index))
+            self._note(problems)
+            for i, r in enumerate(rows):
+                if (w.index, i) in wanted:
+                    yield r
+        while k < len(ahead) and pool.outstanding() < limit:
+            pool.submit(*ahead[k])
+            k += 1
 
-        ctx = mp.get_context("spawn")
-        out_q = ctx.Queue(maxsize=max(2, self.num_workers))
-        stop = ctx.Event()
-        procs = []
-        for k in range(self.num_workers):
-            mine = windows[k::self.num_workers]
-            p = ctx.Process(target=_worker_main, args=(self.reader.url, mine, self.man_cols, self.layers,
-                                                       self.row_len, self.strict, out_q, stop), daemon=True)
-            p.start()
-            procs.append(p)
-        pending: dict[int, list] = {}
-        try:
-            for w in windows:
-                while w.index not in pending:
-                    try:
-                        kind, idx, rows, problems = out_q.get(timeout=5.0)
-                    except queue.Empty:
-                        dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                        if dead:
-                            raise RuntimeError(f"data loader worker died (exit code {dead[0].exitcode})")
-                        continue
-                    if kind == "error":
-                        if idx.startswith(self.reader.url):  # a store problem, already one clear line
-                            raise StoreError(idx)
-                        raise RuntimeError(f"data loader worker failed: {idx}")
-                    self._note(problems)
-                    pending[idx] = rows
-                rows = pending.pop(w.index)
-                for i, r in enumerate(rows):
-                    if (w.index, i) in wanted:
-                        yield r
-        finally:
-            stop.set()
-            for p in procs:
-                p.join(timeout=1.0)
-                if p.is_alive():
-                    p.terminate()
+    def close(self) -> None:
+        """Stop the worker processes (the loader starts them again if iterated later)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _note(self, problems: list[str]) -> None:
         for msg in problems:

@@ -330,7 +330,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                 if cfg.save_every and step % cfg.save_every == 0 and not stop.set:
                     save()
                 if step >= total or stop.set:
-                    it.close()  # stops the loader's threads and worker processes now
+                    it.close()  # stops the loader's prefetch thread now
                     break
             else:
                 epoch, batch_in_epoch = epoch + 1, 0
@@ -340,6 +340,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
             if batch_in_epoch >= loader.steps_per_epoch():
                 epoch, batch_in_epoch = epoch + 1, 0
     finally:
+        loader.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
     ckpt = save()
