@@ -176,8 +176,12 @@ class TargetRunner:
         if self.input_device.type == "cuda":
             keep = keep.pin_memory()
         keep = keep.to(self.input_device, non_blocking=True)
-        ids = input_ids_BS.to(self.input_device)
-        attn = attn.to(self.input_device)
+        if self.input_device.type == "cuda":
+            # Pinned and asynchronous: a pageable copy would make the host wait for the GPU to finish
+            # the previous batch, and any host stall would then leave the GPU idle.
+            input_ids_BS, attn = input_ids_BS.pin_memory(), attn.pin_memory()
+        ids = input_ids_BS.to(self.input_device, non_blocking=True)
+        attn = attn.to(self.input_device, non_blocking=True)
         self._captured.clear()
         out = base_model(self.model)(input_ids=ids, attention_mask=attn.long(), use_cache=False)
         final = out.last_hidden_state

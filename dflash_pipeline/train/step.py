@@ -63,6 +63,16 @@ def draw_anchors(batch: Batch, max_anchors: int, g: torch.Generator, block_size:
     return pad_anchors(lists, num_blocks=max(bucket, -(-longest // bucket) * bucket))
 
 
+LOGITS_BUDGET_BYTES = 1 << 30
+
+
+def loss_chunk_for(loss_chunk: int, vocab: int) -> int:
+    """Positions per loss chunk: at most `loss_chunk`, and few enough that one chunk's fp32 logits stay
+    within 1 GiB (a chunk holds about three [C, V] fp32 buffers at its peak; at V = 248K and C = 4096
+    that was 12 GB of the step's peak)."""
+    return max(128, min(loss_chunk, LOGITS_BUDGET_BYTES // (4 * vocab)))
+
+
 def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *, block_size: int,
                mask_token_id: int, gamma: float, kl_weight: float, cap_weight: float, feature_noise: float,
                loss_chunk: int, g: torch.Generator | None, autocast: bool) -> StepOut:
@@ -94,7 +104,8 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
         t_lps = batch.topk_logprobs.gather(1, src[:, :, None].expand(R, Q, K)).reshape(R * Q, K)[sel].float()
     head = frozen.head_VH
     res = fused_head_loss(hidden_NH.to(head.dtype), head, labels_N, weights_N, t_ids, t_lps,
-                          kl_weight=kl_weight, cap_weight=cap_weight, chunk_size=loss_chunk)
+                          kl_weight=kl_weight, cap_weight=cap_weight,
+                          chunk_size=loss_chunk_for(loss_chunk, frozen.head_VH.shape[0]))
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
     correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=hidden_RQH.device)
     correct_RQ[sel] = res.correct_N
