@@ -8,7 +8,8 @@
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
-#         STEPS (train-store steps, default 60)
+#         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
+#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
@@ -50,12 +51,12 @@ for p in $parts; do
   cuda-tests)
     part cuda-tests 90 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
   extract)
-    part extract 300 "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
+    part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
       --codecs "$codecs" --store-dir "$stores" --keep --json "$out/extract.json" "${smoke[@]}" ;;
   train-store)
     # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path.
     rm -rf "$work/run"
-    part train-store 170 "$py" -m dflash_pipeline train --store "$stores/store-bf16" --out "$work/run" --gpus "$gpus" \
+    part train-store "${LIMIT_TRAIN_STORE:-170}" "$py" -m dflash_pipeline train --store "$stores/store-bf16" --out "$work/run" --gpus "$gpus" \
       "${train_args[@]}"
     cp "$work/run/metrics.jsonl" "$out/train-store-metrics.jsonl" 2>/dev/null ;;
   eval)
@@ -70,7 +71,7 @@ EOF
   codecs)
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
   train-step)
-    part train-step 240 "$py" bench/train.py --json "$out/train-step.json" "${smoke[@]}" ;;
+    part train-step "${LIMIT_TRAIN_STEP:-240}" "$py" bench/train.py --json "$out/train-step.json" ${TRAIN_BENCH_ARGS:-} "${smoke[@]}" ;;
   disk)
     # Sequential write bandwidth of the disk under WORK (direct I/O, no page cache), and of STORE_DIR.
     part disk 60 dd if=/dev/zero of="$work/dd.bin" bs=16M count=256 oflag=direct
