@@ -270,3 +270,13 @@ def test_fp8_store_trains(tmp_path, smollm_dir):
     assert seg.hidden_TLH.dtype == torch.bfloat16 and torch.isfinite(seg.hidden_TLH.float()).all()
     summary = run_train(_cfg(store, tmp_path / "run", steps=3, num_workers=1, kl_weight=0.1))
     assert summary["finished"] and all(np.isfinite(v) for v in _losses(tmp_path / "run").values())
+
+
+def test_activation_checkpointing_changes_memory_not_numbers(tiny_store, tmp_path):
+    """Recomputing layers in backward is a memory/compute trade: same losses and weights."""
+    run_train(_cfg(tiny_store, tmp_path / "plain", steps=4, num_layers=2))
+    run_train(_cfg(tiny_store, tmp_path / "ckpt", steps=4, num_layers=2, activation_checkpointing=True))
+    a, b = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt")
+    assert [a[s] for s in range(1, 5)] == pytest.approx([b[s] for s in range(1, 5)], rel=1e-6)
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["train"]["activation_checkpointing"] is True

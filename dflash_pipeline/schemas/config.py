@@ -99,6 +99,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     strict: bool = False
+    activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
     seed: int = 0
     num_workers: int = 2
     wandb: str | None = None

@@ -191,6 +191,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     frozen = frozen_tensors(reader, device, compute_dtype)
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(dcfg)
+    model.gradient_checkpointing = cfg.activation_checkpointing
     init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
