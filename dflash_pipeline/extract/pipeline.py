@@ -38,6 +38,7 @@ from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.codecs import get_codec
 from dflash_pipeline.store.manifest import committed_segments, read_commits, rebuild_manifest
+from dflash_pipeline.store.shards import available_cpus, set_pool_threads
 from dflash_pipeline.store.writer import StoreWriter, now_iso
 
 
@@ -288,6 +289,10 @@ def worker_main(cfg: ExtractConfig, prep: Prepared, rank: int, world: int, local
     if not mine and not write_target:
         return {"rank": rank, "segments": 0, "tokens": 0}
     meta = StoreMeta.from_dict(prep.meta)
+    # This process's share of the node's cores for compression, one core left for the thread that
+    # drives the GPU.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world if env_rank() is None else 1))
+    set_pool_threads(max(2, available_cpus() // max(1, local) - (1 if kind == "cuda" else 0)))
     if kind == "cuda":
         first = local_rank * cfg.gpus_per_replica
         devices = list(range(first, first + cfg.gpus_per_replica))

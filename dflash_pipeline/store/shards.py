@@ -22,11 +22,34 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
+_THREADS: int | None = None
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 2
+
+
+def set_pool_threads(threads: int) -> None:
+    """Size of this process's encode/decode pool (default: every available core). Extraction sets it
+    to its share of the node's cores: eight GPU processes of 128 threads each on 128 cores starve the
+    threads that feed the GPUs."""
+    global _POOL, _THREADS
+    with _POOL_LOCK:
+        _THREADS = max(1, int(threads))
+        if _POOL is not None and _POOL._max_workers != _THREADS:  # noqa: SLF001
+            _POOL.shutdown(wait=True)
+            _POOL = None
+
+
 def encode_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="dflash-encode")
+            _POOL = ThreadPoolExecutor(max_workers=_THREADS or max(2, available_cpus()),
+                                       thread_name_prefix="dflash-encode")
         return _POOL
 
 

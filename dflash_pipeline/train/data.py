@@ -251,11 +251,13 @@ def build_window_rows(reader, window: Window, man_cols: dict[str, np.ndarray], l
 
 
 def _worker_main(url: str, man_cols: dict[str, np.ndarray], layers: list[int], row_len: int, strict: bool,
-                 task_q, out_q, stop) -> None:
+                 task_q, out_q, stop, threads: int) -> None:
     """A persistent loader worker: builds the rows of each window it is given, for any epoch."""
     from dflash_pipeline.store.reader import StoreReader
+    from dflash_pipeline.store.shards import set_pool_threads
 
     torch.set_num_threads(1)
+    set_pool_threads(threads)  # decode threads: this worker's share of the cores
     try:
         reader = StoreReader(url)
         while not stop.is_set():
@@ -280,11 +282,15 @@ class _WorkerPool:
     def __init__(self, loader: StreamingLoader):
         import torch.multiprocessing as mp
 
+        from dflash_pipeline.store.shards import available_cpus
+
         ctx = mp.get_context("spawn")
         self.url = loader.reader.url
+        threads = max(1, available_cpus() // max(1, loader.num_workers))
         self.task_q, self.out_q, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.procs = [ctx.Process(target=_worker_main, args=(self.url, loader.man_cols, loader.layers, loader.row_len,
-                                                             loader.strict, self.task_q, self.out_q, self.stop),
+                                                             loader.strict, self.task_q, self.out_q, self.stop,
+                                                             threads),
                                   daemon=True) for _ in range(loader.num_workers)]
         for p in self.procs:
             p.start()
