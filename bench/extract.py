@@ -4,6 +4,8 @@ Builds a random-weight target of Qwen3-8B shape (36 layers, hidden 4096, 32/8 he
 12288, vocab 151,936, bf16; speed does not depend on the weights), saves it as an HF folder, then
 measures in the same run:
   baseline  the bare forward pass (base model, no hooks, no LM head) over the same batches;
+  compute   extraction's GPU work alone (forward with hooks, top-k, encode, statistics; no store, no
+            host threads), each stage timed: separates GPU-side cost from host-side stalls;
   extract   `dflash extract` (5 features, top-32, store on local disk) with the bf16 and fp8 codecs,
             steady-state tokens/s from its run record (model loading excluded).
 Reports tok/s and the ratio extract / baseline (goal: >= 0.9).
@@ -36,6 +38,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMOKE_MODE = False
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
@@ -109,6 +112,64 @@ def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
     return n / dt
 
 
+def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str) -> dict:
+    """Extraction's GPU work alone, no store, no host threads: the target forward with hooks, then
+    each stage of `dflash extract`'s loop timed on its own (CUDA events), over the same batches. Against
+    the bare forward and the full extraction it separates GPU-side cost from host-side stalls."""
+    from dflash_pipeline.extract.pipeline import make_batches
+    from dflash_pipeline.extract.plan import PlanReader, read_plan
+    from dflash_pipeline.extract.target import TargetRunner, load_target
+    from dflash_pipeline.store.backends import KV, open_zarr_store
+    from dflash_pipeline.store.codecs import get_codec, hidden_layer_stats
+
+    kv = KV(open_zarr_store(store, read_only=True))
+    plan, reader = read_plan(kv), PlanReader(kv)
+    model = load_target(path, DTYPE, DEVICE)
+    runner = TargetRunner(model, [1, 9, 17, 25, 33] if not SMOKE_MODE else [1, 2, 3, 4, 5], 32)
+    codec = get_codec(codec_name)
+    batches = []
+    for s in plan.segments:
+        sp = reader.segment(s["segment"])
+        lengths = [len(x) for x in sp.input_ids]
+        for b in make_batches(lengths, tokens_per_batch):
+            lens = [lengths[i] for i in b]
+            ids = torch.zeros((len(b), max(lens)), dtype=torch.long)
+            for r, i in enumerate(b):
+                ids[r, :lens[r]] = torch.from_numpy(sp.input_ids[i].astype("int64"))
+            batches.append((ids, lens))
+    stages = {"forward+hooks+topk": 0.0, "encode": 0.0, "stats": 0.0}
+    n = 0
+    for warm in (True, False):
+        todo = batches[:2] if warm else batches
+        _sync()
+        t = time.perf_counter()
+        for ids, lens in todo:
+            if DEVICE == "cuda":
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                ev[0].record()
+            out = runner.run_batch(ids, lens)
+            if DEVICE == "cuda":
+                ev[1].record()
+            codec.encode(out.hidden_NLH)
+            if DEVICE == "cuda":
+                ev[2].record()
+            hidden_layer_stats(out.hidden_NLH)
+            if DEVICE == "cuda":
+                ev[3].record()
+                ev[3].synchronize()
+                if not warm:
+                    for k, name in enumerate(stages):
+                        stages[name] += ev[k].elapsed_time(ev[k + 1]) / 1e3
+            if not warm:
+                n += sum(lens)
+        _sync()
+        dt = time.perf_counter() - t
+    del model, runner
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"tok_per_s": n / dt, "seconds": dt, "stage_seconds": stages}
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -129,6 +190,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny target and data (CPU is fine): check the script runs")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else QWEN3_8B
+    global SMOKE_MODE
+    SMOKE_MODE = args.smoke
     if args.smoke:
         args.tokens = min(args.tokens, 30000)
     from dflash_pipeline.extract.pipeline import run_extract
@@ -166,10 +229,15 @@ def main() -> None:
         if baseline is None:
             baseline = bare_forward(target, store, args.tokens_per_batch)
             results["bare_forward_tok_per_s_1gpu"] = baseline
+            results["compute_only"] = compute_only(target, store, args.tokens_per_batch, codec)
         if not args.keep:
             shutil.rmtree(store, ignore_errors=True)
     n = int(args.gpus)
     print(f"\n{results['gpu']} x{n}: bare forward (1 GPU) {baseline:,.0f} tok/s")
+    co = results["compute_only"]
+    print(f"  extraction's GPU work alone (no store): {co['tok_per_s']:,.0f} tok/s = "
+          f"{co['tok_per_s'] / baseline:.3f} x bare forward; stages (s): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in co["stage_seconds"].items()))
     for codec, r in results["runs"].items():
         ratio = r["tok_per_s"] / (baseline * n)
         r["ratio_vs_bare_forward"] = ratio
