@@ -104,18 +104,34 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     anchors = draw_anchors(batch, anchors, g, B)
     flops = {}
 
+    stages = {"forward+loss": [], "backward": [], "optimizer": []}
+
     def ours():
+        cuda = device.type == "cuda"
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else None
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            ev[0].record()
         out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=gamma,
                          kl_weight=0.15 if kl else 0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=4096, g=g,
-                         autocast=device.type == "cuda")
+                         autocast=cuda)
+        if cuda:
+            ev[1].record()
         out.loss.backward()
+        if cuda:
+            ev[2].record()
         opt.step()
+        if cuda:
+            ev[3].record()
+            ev[3].synchronize()
+            for k, name in enumerate(stages):
+                stages[name].append(ev[k].elapsed_time(ev[k + 1]) / 1e3)
         flops["f"] = step_flops(cfg, out, R * S)
         flops["block_tokens"] = out.block_tokens
 
     t, mem = timed_steps(ours, steps)
-    res = {"case": name, "step_s": t, "peak_gib": mem, "input_tok_s": R * S / t,
+    med = {k: sorted(v)[len(v) // 2] if v else None for k, v in stages.items()}
+    res = {"case": name, "step_s": t, "peak_gib": mem, "input_tok_s": R * S / t, "stage_s": med,
            "block_tok_s": flops["block_tokens"] / t, "mfu": flops["f"] / t / PEAK, "model_tflops_per_step": flops["f"] / 1e12}
     if conventional:
         from dflash_pipeline.train.blocks import build_blocks
@@ -168,6 +184,8 @@ def main() -> None:
         r["model_flops_note"] = "MFU counts model FLOPs only (no recompute)"
         line = (f"{r['case']}: {r['step_s'] * 1e3:.0f} ms/step, {r['input_tok_s']:,.0f} input tok/s, "
                 f"{r['block_tok_s']:,.0f} block tok/s, MFU {r['mfu']:.1%}, peak {r['peak_gib']:.1f} GiB")
+        if r.get("stage_s") and all(v is not None for v in r["stage_s"].values()):
+            line += " [" + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["stage_s"].items()) + "]"
         if "baseline_step_s" in r:
             line += (f"; conventional {r['baseline_step_s'] * 1e3:.0f} ms, {r['baseline_peak_gib']:.1f} GiB "
                      f"-> {r['speedup_vs_baseline']:.2f}x")
