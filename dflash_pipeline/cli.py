@@ -157,6 +157,7 @@ def extract(
     gpus_per_replica: int = typer.Option(1, "--gpus-per-replica", help="Split a target that does not fit one GPU over this many."),
     dtype: str = typer.Option("auto", "--dtype", help="Target compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
     device: str = typer.Option("auto", "--device", help="auto, cuda or cpu."),
+    writer_processes: Optional[int] = typer.Option(None, "--writer-processes", help="Processes that compress and write segments, apart from the GPU loop's (default: 2 per GPU, 0 on CPU: threads)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
 ):
     """Run the target over the data and write a feature store (crash-safe; re-run to resume)."""
@@ -164,7 +165,8 @@ def extract(
     cfg = _config(_extract_config(), out=out, target=target, data=list(data or []), max_length=max_length,
                   limit=limit, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
                   codec=codec, tokens_per_batch=tokens_per_batch, segment_tokens=segment_tokens, gpus=gpus,
-                  gpus_per_replica=gpus_per_replica, dtype=dtype, device=device, quiet=quiet)
+                  gpus_per_replica=gpus_per_replica, dtype=dtype, device=device, quiet=quiet,
+                  writer_processes=writer_processes)
     from dflash_pipeline.extract.pipeline import run_extract
 
     run_extract(cfg)

@@ -145,23 +145,66 @@ def _assert_same_store(a: str, b: str) -> None:
         np.testing.assert_array_equal(sa.topk_ids_TK, sb.topk_ids_TK)
 
 
-def test_sigkill_then_resume_equals_clean_run(extracted, data_file, tmp_path):
+def _shm_blocks() -> set[str]:
+    d = Path("/dev/shm")
+    return {p.name for p in d.iterdir() if p.name.startswith("psm_")} if d.is_dir() else set()
+
+
+def test_writer_processes_write_the_same_store(extracted, data_file, tmp_path):
+    """Segments compressed and written by separate processes from shared memory: the same store, and
+    no shared-memory block left behind."""
+    cfg, _ = extracted
+    before = _shm_blocks()
+    cfg2 = _cfg(tmp_path, data_file, writer_processes=2)
+    run_extract(cfg2)
+    assert verify_store(cfg2.out).ok
+    _assert_same_store(cfg.out, cfg2.out)
+    assert _shm_blocks() - before == set()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        out += [int(x) for x in text.split()]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.parametrize("writers", [0, 2])
+def test_sigkill_then_resume_equals_clean_run(extracted, data_file, tmp_path, writers):
     cfg, _ = extracted
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "dflash_pipeline", "extract", "--out", str(out), "--data", str(data_file),
            "--max-length", "128", "--layers", ",".join(map(str, LAYERS)), "--topk", "8",
-           "--tokens-per-batch", "512", "--segment-tokens", "300", "--device", "cpu", "--quiet"]
+           "--tokens-per-batch", "512", "--segment-tokens", "300", "--device", "cpu", "--quiet",
+           "--writer-processes", str(writers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 300
+    children: list[int] = []
     while time.time() < deadline and proc.poll() is None:
         commits = list((out / "commits").glob("*.json")) if (out / "commits").exists() else []
         if len(commits) >= 1:
+            children = _children(proc.pid)
             time.sleep(0.1)  # land somewhere inside a later segment
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.01)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    if writers and Path("/proc").is_dir():
+        assert children, "the writer processes were not found"
+        t = time.time()
+        while any(_alive(c) for c in children) and time.time() - t < 10:
+            time.sleep(0.1)
+        assert not any(_alive(c) for c in children), "writer processes outlived the killed extraction"
     partial = verify_store(str(out))
     assert partial.ok                                 # what is committed is intact
     n_before = partial.checked
@@ -170,3 +213,13 @@ def test_sigkill_then_resume_equals_clean_run(extracted, data_file, tmp_path):
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert verify_store(str(out)).ok
     _assert_same_store(cfg.out, str(out))
+
+
+def test_writer_processes_refused_without_shared_memory(data_file, tmp_path, monkeypatch):
+    """A container's small /dev/shm: asked-for writer processes stop the run with one clear line
+    (touching more shared memory than exists would kill the process later)."""
+    from dflash_pipeline.extract import engine
+
+    monkeypatch.setattr(engine, "shm_free_bytes", lambda: 1 << 20)
+    with pytest.raises(DFlashError, match=r"--writer-processes 2: /dev/shm has 0.0 GiB free.*--shm-size"):
+        run_extract(_cfg(tmp_path, data_file, writer_processes=2))

@@ -16,18 +16,22 @@ import json
 import queue
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.plan import SegmentPlan
+from dflash_pipeline.extract.procwriter import BULK, ProcessWriter, SharedArrays, shm_free_bytes
 from dflash_pipeline.extract.target import TargetRunner
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.store.backends import KV
 from dflash_pipeline.store.codecs import hidden_layer_stats
+from dflash_pipeline.store.shards import pool_threads
 from dflash_pipeline.store.writer import SegmentArrays, StoreWriter
 
 STAT_ROWS = ("count", "sum", "sumsq", "absmax", "nonfinite", "err_sq", "ref_sq", "max_abs")
@@ -52,15 +56,18 @@ class Staging:
 class SegmentAssembly:
     """A segment's host arrays, filled batch by batch in plan order."""
 
-    def __init__(self, sp: SegmentPlan, L: int, H: int, K: int, codec):
+    def __init__(self, sp: SegmentPlan, L: int, H: int, K: int, codec, shared: bool = False):
         self.plan = sp
         lengths = np.array([len(x) for x in sp.input_ids], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         T = int(self.offsets[-1])
-        self.hidden = np.empty((T, L, H), dtype=codec.storage_dtype)
-        self.scale = np.empty((T, L), dtype=np.float32) if codec.has_scale else None
-        self.topk_ids = np.empty((T, K), dtype=np.int32)
-        self.topk_lps = np.empty((T, K), dtype=np.float16)
+        # With writer processes the bulk arrays live in shared memory, which the writer attaches to.
+        self.shared = SharedArrays() if shared else None
+        empty = self.shared.empty if shared else (lambda _name, shape, dtype: np.empty(shape, dtype=dtype))
+        self.hidden = empty("hidden_TLH", (T, L, H), codec.storage_dtype)
+        self.scale = empty("hidden_scale_TL", (T, L), np.float32) if codec.has_scale else None
+        self.topk_ids = empty("topk_ids_TK", (T, K), np.int32)
+        self.topk_lps = empty("topk_logprobs_TK", (T, K), np.float16)
         self.small = np.zeros((len(STAT_ROWS), L), dtype=np.float64)
         self.tokens = T
 
@@ -79,6 +86,12 @@ class SegmentAssembly:
         small = buf.small.numpy()
         for j, name in enumerate(STAT_ROWS):
             self.small[j] = np.maximum(self.small[j], small[j]) if name in MAX_ROWS else self.small[j] + small[j]
+
+    def release(self) -> None:
+        """Free shared memory (after the segment was written or abandoned)."""
+        if self.shared is not None:
+            self.hidden = self.scale = self.topk_ids = self.topk_lps = None
+            self.shared.release()
 
     def arrays(self) -> SegmentArrays:
         sp = self.plan
@@ -139,8 +152,32 @@ class Engine:
         # says whether the GPU was kept busy. Resolved lazily, a few batches behind, to avoid syncs.
         self.gpu_events: list = []
         self.gpu_busy_s = 0.0
+        n_proc = self._writer_processes()
+        self.procs = ProcessWriter(writer.url, meta.to_dict(), n_proc, max(1, pool_threads() // n_proc)) \
+            if n_proc > 0 else None
         self.collector = threading.Thread(target=self._collect, name="dflash-collect", daemon=True)
         self.collector.start()
+
+    def _writer_processes(self) -> int:
+        """How many writer processes: as configured, else one per segment in flight on GPUs (threads on
+        CPUs), if shared memory can hold the segments in flight (a container's /dev/shm is often
+        64 MB; touching more than it holds kills the process)."""
+        cfg = self.cfg
+        n = cfg.writer_processes if cfg.writer_processes is not None else (cfg.inflight_segments if self.cuda else 0)
+        if n <= 0:
+            return 0
+        per_token = self.L * self.H * self.codec.storage_dtype.itemsize + self.K * 6 + self.L * 4
+        need = (cfg.inflight_segments + 1) * cfg.segment_tokens * per_token
+        free = shm_free_bytes()
+        if free is not None and free < need:
+            msg = (f"/dev/shm has {free / 2**30:.1f} GiB free, writer processes need about {need / 2**30:.1f} GiB "
+                   f"({cfg.inflight_segments + 1} segments of {cfg.segment_tokens} tokens)")
+            if cfg.writer_processes is not None:
+                raise DFlashError(f"--writer-processes {n}: {msg}; give the container more shared memory "
+                                  "(e.g. docker --shm-size) or use --writer-processes 0")
+            warnings.warn(f"{msg}: writing segments with threads instead", stacklevel=2)
+            return 0
+        return n
 
     # -- GPU loop -------------------------------------------------------------------------------------
 
@@ -150,7 +187,7 @@ class Engine:
         while not self.slots.acquire(timeout=1.0):
             self._check()
         self.c["wait_write"] += time.time() - t0
-        asm = SegmentAssembly(sp, self.L, self.H, self.K, self.codec)
+        asm = SegmentAssembly(sp, self.L, self.H, self.K, self.codec, shared=self.procs is not None)
         lengths = [len(x) for x in sp.input_ids]
         with torch.inference_mode():
             self._run_batches(asm, sp, lengths)
@@ -231,13 +268,20 @@ class Engine:
             elif self.error is None:
                 self.futures.append(self.pool.submit(self._write, item[1]))
             else:
+                item[1].release()
                 self.slots.release()
 
     def _write(self, asm: SegmentAssembly) -> None:
         try:
             with self.lock:
                 self.c["writing"] += 1
-            marker = self.writer.write_segment(asm.plan.segment, asm.arrays())
+            if self.procs is not None:
+                arrays = asm.arrays()
+                small = {k: v for k, v in vars(arrays).items() if k not in BULK}
+                del arrays
+                marker = self.procs.write(asm.plan.segment, small, asm.shared)
+            else:
+                marker = self.writer.write_segment(asm.plan.segment, asm.arrays())
             with self.lock:
                 self.c["segments"] += 1
                 self.c["tokens"] += asm.tokens
@@ -246,6 +290,7 @@ class Engine:
         except BaseException as e:
             self.error = e
         finally:
+            asm.release()
             with self.lock:
                 self.c["writing"] -= 1
             self.slots.release()
@@ -266,6 +311,8 @@ class Engine:
             self.collect_q.put(None)
             self.collector.join(timeout=60)
         self.pool.shutdown(wait=True)
+        if self.procs is not None:
+            self.procs.close()
 
     def queue_depths(self) -> dict[str, int]:
         return {"staging_busy": self.num_staging - self.free.qsize(), "staging": self.num_staging,

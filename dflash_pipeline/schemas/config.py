@@ -37,6 +37,7 @@ class ExtractConfig:
     device: str = "auto"                 # auto | cuda | cpu
     num_procs: int | None = None         # CPU only: worker processes (tests of the multi-process path)
     inflight_segments: int = 2
+    writer_processes: int | None = None  # segment writers in processes; None: inflight_segments on GPUs, 0 on CPUs
     quiet: bool = False
 
     def __post_init__(self) -> None:

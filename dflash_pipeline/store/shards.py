@@ -44,11 +44,16 @@ def set_pool_threads(threads: int) -> None:
             _POOL = None
 
 
+def pool_threads() -> int:
+    """Threads this process's encode/decode pool has (or will have)."""
+    return _THREADS or max(2, available_cpus())
+
+
 def encode_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=_THREADS or max(2, available_cpus()),
+            _POOL = ThreadPoolExecutor(max_workers=pool_threads(),
                                        thread_name_prefix="dflash-encode")
         return _POOL
 

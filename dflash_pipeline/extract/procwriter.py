@@ -1,0 +1,126 @@
+"""Segment writes in separate processes, so that compression never shares a GIL with the GPU loop.
+
+In one process, the threads that compress and write segments hold the GIL between their C calls; the
+thread that launches the target's kernels then waits for it, and the GPU idles (BENCHMARKS.md,
+extraction). Here a segment's bulk arrays are assembled in shared memory by the extraction process and
+written by a pool of writer processes that attach to them: no copy, no pickling of features.
+
+Writer processes die with their parent (PR_SET_PDEATHSIG on Linux): one left running after the
+extraction was killed could still be writing a segment that the resumed run redoes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context, shared_memory
+from typing import Any
+
+import numpy as np
+
+from dflash_pipeline.store.writer import SegmentArrays
+
+BULK = ("hidden_TLH", "hidden_scale_TL", "topk_ids_TK", "topk_logprobs_TK")
+
+_WRITER = None
+
+
+class SharedArrays:
+    """Numpy arrays backed by named shared-memory blocks, owned (and unlinked) by their creator."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, shared_memory.SharedMemory] = {}
+        self.specs: dict[str, tuple[str, tuple[int, ...], str]] = {}
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shm = shared_memory.SharedMemory(create=True, size=max(1, int(np.prod(shape)) * dtype.itemsize))
+        self.blocks[name] = shm
+        self.specs[name] = (shm.name, tuple(int(x) for x in shape), dtype.str)
+        return np.ndarray(shape, dtype=dtype, buffer=shm.buf)
+
+    def release(self) -> None:
+        """Close and unlink every block; arrays made by `empty` must no longer be used."""
+        for shm in self.blocks.values():
+            try:
+                shm.close()
+            except BufferError:  # a view is still alive somewhere: the unlink below still frees the name
+                pass
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+        self.blocks.clear()
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes of the shared-memory filesystem (None where there is none to ask)."""
+    import shutil
+
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return None
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's pool shutdown still ends the process
+        pass
+
+
+def _init(url: str, meta: dict[str, Any], threads: int, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    from dflash_pipeline.schemas.store import StoreMeta
+    from dflash_pipeline.store.shards import set_pool_threads
+    from dflash_pipeline.store.writer import StoreWriter
+
+    set_pool_threads(threads)
+    global _WRITER
+    _WRITER = StoreWriter(url, StoreMeta.from_dict(meta), create=False)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _write(segment: int, small: dict[str, Any], specs: dict[str, tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+    blocks, arrays = [], {}
+    try:
+        for name, (shm_name, shape, dtype) in specs.items():
+            # A spawned child shares its parent's resource tracker: attaching registers the name there
+            # once more (a set), and the creator's unlink unregisters it. Nothing to undo here.
+            shm = shared_memory.SharedMemory(name=shm_name)
+            blocks.append(shm)
+            arrays[name] = np.ndarray(shape, dtype=np.dtype(dtype), buffer=shm.buf)
+        for name in BULK:
+            arrays.setdefault(name, None)
+        return _WRITER.write_segment(segment, SegmentArrays(**small, **arrays))
+    finally:
+        arrays.clear()
+        for shm in blocks:
+            shm.close()
+
+
+class ProcessWriter:
+    """`write(segment, small, shared)` -> the commit marker, done in one of `processes` processes."""
+
+    def __init__(self, url: str, meta: dict[str, Any], processes: int, threads_per_process: int):
+        self.pool = ProcessPoolExecutor(max_workers=processes, mp_context=get_context("spawn"),
+                                        initializer=_init, initargs=(url, meta, threads_per_process, os.getpid()))
+        # Start every process now, from this thread (the death signal follows the thread that started
+        # them), and surface a failing start before any GPU work.
+        [f.result() for f in [self.pool.submit(_ready) for _ in range(processes)]]
+
+    def write(self, segment: int, small: dict[str, Any], shared: SharedArrays) -> dict[str, Any]:
+        return self.pool.submit(_write, segment, small, shared.specs).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
