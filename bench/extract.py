@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8")
     ap.add_argument("--gpus", default="1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--writer-processes", type=int, default=None,
+                    help="as `dflash extract --writer-processes` (default: its default); 0 for threads")
     ap.add_argument("--store-dir", default=None, help="where the stores go (default: --work); e.g. /dev/shm to "
                     "take the disk out of the measurement")
     ap.add_argument("--keep", action="store_true", help="keep the stores (e.g. to measure training's data wait on them)")
@@ -204,7 +206,7 @@ def main() -> None:
     build_target(target, args.tokenizer, shape)
     write_data(data, args.tokens)
     print(f"target and data ready in {time.time() - t:.0f}s", flush=True)
-    results = {"date": time.strftime("%Y-%m-%d"),
+    results = {"date": time.strftime("%Y-%m-%d"), "writer_processes": args.writer_processes,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                "gpus": args.gpus, "shape": shape, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
     baseline = None
@@ -214,7 +216,7 @@ def main() -> None:
         cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
                             tokens_per_batch=args.tokens_per_batch, segment_tokens=32768, gpus=args.gpus,
                             dtype="bf16" if DEVICE == "cuda" else "fp32", tokenize_workers=1,
-                            device="cuda" if DEVICE == "cuda" else "cpu")
+                            device="cuda" if DEVICE == "cuda" else "cpu", writer_processes=args.writer_processes)
         rec = run_extract(cfg)
         steady = sum(w["tokens"] for w in rec["workers"]) / max(w["seconds"] for w in rec["workers"])
         results["runs"][codec] = {"tokens": rec["tokens_this_run"], "tok_per_s": steady,

@@ -8,6 +8,7 @@
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
+#         WRITER_PROCS (extract: writer processes; 0 = threads; default: extract's own)
 #         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
@@ -52,7 +53,7 @@ for p in $parts; do
     part cuda-tests 90 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
   extract)
     part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
-      --codecs "$codecs" --store-dir "$stores" --keep --json "$out/extract.json" "${smoke[@]}" ;;
+      --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
   train-store)
     # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path.
     rm -rf "$work/run"
