@@ -23,6 +23,7 @@ Legend: R rows per batch, S row length, L layers, H hidden, K top-k.
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -411,23 +412,41 @@ class StreamingLoader:
         # Tasks in flight are bounded; past this epoch's last windows the next epoch's first ones are
         # started, so that an epoch boundary costs no wait.
         limit = self.num_workers + self.prefetch
-        nxt = plan_epoch(self.man, ~self.holdout, epoch=epoch + 1, rank=self.rank, world=self.world, seed=self.seed,
-                         row_len=self.row_len, rows_per_batch=self.rows_per_batch,
-                         window_segments=self.window_segments).windows
-        ahead = [((epoch, w.index), w) for w in windows] + [((epoch + 1, w.index), w) for w in nxt]
-        k = 0
+
+        def later_epochs():
+            # Windows of the epochs that follow, as far as the bound lets the workers run ahead (on a
+            # small store several epochs: one epoch's windows may take longer to build than to train).
+            e = epoch + 1
+            while True:
+                ws = plan_epoch(self.man, ~self.holdout, epoch=e, rank=self.rank, world=self.world, seed=self.seed,
+                                row_len=self.row_len, rows_per_batch=self.rows_per_batch,
+                                window_segments=self.window_segments).windows
+                if not ws:
+                    return
+                for w in ws:
+                    yield (e, w.index), w
+                e += 1
+
+        ahead = itertools.chain((((epoch, w.index), w) for w in windows), later_epochs())
+        submitted = 0
+
+        def top_up(consumed: int) -> None:
+            nonlocal submitted
+            while submitted < consumed + 1 or pool.outstanding() < limit:
+                task = next(ahead, None)
+                if task is None:
+                    return
+                pool.submit(*task)
+                submitted += 1
+
         for j, w in enumerate(windows):
-            while k < len(ahead) and (k < j + limit or pool.outstanding() < limit):
-                pool.submit(*ahead[k])
-                k += 1
+            top_up(j)
             rows, problems = pool.get((epoch, w.index))
             self._note(problems)
             for i, r in enumerate(rows):
                 if (w.index, i) in wanted:
                     yield r
-        while k < len(ahead) and pool.outstanding() < limit:
-            pool.submit(*ahead[k])
-            k += 1
+        top_up(len(windows) - 1)
 
     def close(self) -> None:
         """Stop the worker processes (the loader starts them again if iterated later)."""
