@@ -71,17 +71,14 @@ def write_data(path: str, tokens: int, seed: int = 0) -> None:
             total += n * 2  # SmolLM's tokenizer splits "w123" into ~2 tokens
 
 
-def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
-    """Baseline: the base model's forward over the batches extraction ran (same padding)."""
+def store_batches(store: str, tokens_per_batch: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """The padded batches `dflash extract` ran, rebuilt from the store's plan: (input ids, lengths)."""
     from dflash_pipeline.extract.pipeline import make_batches
     from dflash_pipeline.extract.plan import PlanReader, read_plan
-    from dflash_pipeline.extract.target import base_model, load_target
     from dflash_pipeline.store.backends import KV, open_zarr_store
 
     kv = KV(open_zarr_store(store, read_only=True))
     plan, reader = read_plan(kv), PlanReader(kv)
-    model = load_target(path, DTYPE, DEVICE)
-    base = base_model(model)
     batches = []
     for s in plan.segments:
         sp = reader.segment(s["segment"])
@@ -92,6 +89,16 @@ def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
             for r, i in enumerate(b):
                 ids[r, :lens[r]] = torch.from_numpy(sp.input_ids[i].astype("int64"))
             batches.append((ids, lens))
+    return batches
+
+
+def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
+    """Baseline: the base model's forward over the batches extraction ran (same padding)."""
+    from dflash_pipeline.extract.target import base_model, load_target
+
+    model = load_target(path, DTYPE, DEVICE)
+    base = base_model(model)
+    batches = store_batches(store, tokens_per_batch)
     with torch.inference_mode():
         for ids, lens in batches[:3]:  # warm-up
             base(input_ids=ids.to(DEVICE), attention_mask=(torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long().to(DEVICE),
@@ -116,27 +123,13 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str) 
     """Extraction's GPU work alone, no store, no host threads: the target forward with hooks, then
     each stage of `dflash extract`'s loop timed on its own (CUDA events), over the same batches. Against
     the bare forward and the full extraction it separates GPU-side cost from host-side stalls."""
-    from dflash_pipeline.extract.pipeline import make_batches
-    from dflash_pipeline.extract.plan import PlanReader, read_plan
     from dflash_pipeline.extract.target import TargetRunner, load_target
-    from dflash_pipeline.store.backends import KV, open_zarr_store
     from dflash_pipeline.store.codecs import get_codec, hidden_layer_stats
 
-    kv = KV(open_zarr_store(store, read_only=True))
-    plan, reader = read_plan(kv), PlanReader(kv)
     model = load_target(path, DTYPE, DEVICE)
     runner = TargetRunner(model, [1, 9, 17, 25, 33] if not SMOKE_MODE else [1, 2, 3, 4, 5], 32)
     codec = get_codec(codec_name)
-    batches = []
-    for s in plan.segments:
-        sp = reader.segment(s["segment"])
-        lengths = [len(x) for x in sp.input_ids]
-        for b in make_batches(lengths, tokens_per_batch):
-            lens = [lengths[i] for i in b]
-            ids = torch.zeros((len(b), max(lens)), dtype=torch.long)
-            for r, i in enumerate(b):
-                ids[r, :lens[r]] = torch.from_numpy(sp.input_ids[i].astype("int64"))
-            batches.append((ids, lens))
+    batches = store_batches(store, tokens_per_batch)
     stages = {"forward+hooks+topk": 0.0, "encode": 0.0, "stats": 0.0}
     n = 0
     for warm in (True, False):
