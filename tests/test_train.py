@@ -280,3 +280,13 @@ def test_activation_checkpointing_changes_memory_not_numbers(tiny_store, tmp_pat
     assert [a[s] for s in range(1, 5)] == pytest.approx([b[s] for s in range(1, 5)], rel=1e-6)
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["train"]["activation_checkpointing"] is True
+
+
+def test_loader_start_up_is_reported_apart_from_data_wait(tiny_store, tmp_path):
+    """The first batch's wait (worker processes starting) is `data_startup_s`, not data wait."""
+    run_train(_cfg(tiny_store, tmp_path / "run", steps=2, num_workers=1))
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["type"] == "train"]
+    assert train[0]["data_startup_s"] > 0.0
+    assert "data_startup_s" not in train[1]
+    assert all(0.0 <= r["data_wait_frac"] <= 1.0 for r in train)

@@ -357,6 +357,7 @@ class StreamingLoader:
         self.man_cols = {"segment": self.man.segment, "offset": reader.column("offset"),
                          "sample_id": self.man.sample_id}
         self.data_wait = 0.0
+        self.started, self.startup_wait = False, 0.0
         self.corrupt: list[str] = []
         self._plans: dict[int, EpochPlan] = {}
         self._pool: _WorkerPool | None = None
@@ -515,7 +516,11 @@ class StreamingLoader:
             while True:
                 t0 = time.perf_counter()
                 item = q.get()
-                self.data_wait += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                if self.started:
+                    self.data_wait += waited
+                else:  # the run's first batch: worker start-up and the first windows, reported apart
+                    self.startup_wait, self.started = waited, True
                 if item is done:
                     break
                 b, ev = item

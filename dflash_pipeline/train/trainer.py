@@ -260,6 +260,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     acc = _Accum(device, dcfg)
     t_run, started_step, t_log = time.time(), step, time.time()
     loader.data_wait = 0.0
+    first_log = True
     steps_this_run = 0
     autocast = kind == "cuda"
     eval_rows = loader.eval_rows()[: cfg.eval_max_samples]
@@ -309,10 +310,13 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
                     rec = acc.reduce(world, dist if world > 1 else None)
                     now = time.time()
                     rec.update(step=step, epoch=epoch + batch_in_epoch / max(1, loader.steps_per_epoch()), lr=lr,
-                               data_wait_frac=loader.data_wait / max(now - t_log, 1e-9),
+                               data_wait_frac=loader.data_wait / max(
+                                   now - t_log - (loader.startup_wait if first_log else 0.0), 1e-9),
                                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2 ** 30 if kind == "cuda" else None,
                                eta_s=(total - step) * (now - t_run) / max(1, step - started_step),
                                corrupt_segments_skipped=len(loader.corrupt))
+                    if first_log:  # the wait for the first batch (workers starting) is not data wait
+                        rec["data_startup_s"], first_log = loader.startup_wait, False
                     rec["mfu"] = rec.pop("flops_per_s") / (PEAK_BF16_FLOPS * world) if kind == "cuda" else None
                     loader.data_wait, t_log = 0.0, now
                     acc.clear()
