@@ -1,4 +1,4 @@
-"""Writing sharded zarr arrays with our own thread pool.
+"""Writing and reading the hidden-state shards with our own thread pool.
 
 zarr's codec pipeline encodes a shard's inner chunks with little parallelism, and copying each
 one-layer chunk out of a [T, L, H] array is a strided copy; together they kept a segment write at a
@@ -6,7 +6,8 @@ fraction of what Blosc alone does. Here every (layer, chunk) is copied, compress
 releases the GIL) and checksummed on a pool of threads, and each shard is assembled in the format of
 zarr v3's `sharding_indexed` codec (inner codecs: bytes little-endian, blosc, crc32c; index at the
 end: uint64 (offset, nbytes) per inner chunk in C order, then the CRC32C of the index). The array's
-metadata is written by zarr itself, so every reader reads these shards with plain zarr.
+metadata is written by zarr itself, so every reader reads these shards with plain zarr; our reader
+(`read_layer_shards`) decodes them the same way on the pool, checksumming as it goes.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def read_layer_shards(kv, prefix: str, shape_TLH: tuple[int, int, int], dtype, C
         if len(buf) < tail:
             raise ShardError(f"truncated chunk file c/0/{layer}/0")
         index_bytes = buf[len(buf) - tail:len(buf) - 4]
-        if struct.pack("<I", google_crc32c.value(index_bytes)) != buf[len(buf) - 4:].tobytes():
+        if _crc32c(index_bytes) != buf[len(buf) - 4:].tobytes():
             raise ShardError(f"chunk file c/0/{layer}/0: index checksum mismatch (truncated or altered)")
         index = index_bytes.view("<u8").reshape(n, 2)
         tmp = np.empty((C, H), dtype=dtype)
@@ -188,13 +189,13 @@ def read_layer_shards(kv, prefix: str, shape_TLH: tuple[int, int, int], dtype, C
             if nb < 4 or off + nb > len(buf) - tail:
                 raise ShardError(f"chunk file c/0/{layer}/0: inner chunk {i} out of bounds (truncated)")
             comp = buf[off:off + nb - 4]
-            if struct.pack("<I", google_crc32c.value(comp)) != buf[off + nb - 4:off + nb].tobytes():
+            if _crc32c(comp) != buf[off + nb - 4:off + nb].tobytes():
                 raise ShardError(f"chunk file c/0/{layer}/0: inner chunk {i} checksum mismatch")
             blosc.decode(comp, out=tmp)
             a, b = i * C, min(T, (i + 1) * C)
             part = tmp[: b - a]
             out[a:b, j] = part
-            crc = google_crc32c.extend(crc, part.reshape(-1).view(np.uint8)) if b > a else crc
+            crc = google_crc32c.extend(crc, part.reshape(-1).view(np.uint8))
         return crc
 
     futures = [pool.submit(one_layer, j, layer) for j, layer in enumerate(layers)]

@@ -365,11 +365,15 @@ class StreamingLoader:
     # -- planning -------------------------------------------------------------------------------------
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
+        """This rank's plan for `epoch` (the last one asked for is kept)."""
         if epoch not in self._plans:
-            self._plans = {epoch: plan_epoch(self.man, ~self.holdout, epoch=epoch, rank=self.rank, world=self.world,
-                                             seed=self.seed, row_len=self.row_len, rows_per_batch=self.rows_per_batch,
-                                             window_segments=self.window_segments)}
+            self._plans = {epoch: self._plan(epoch)}
         return self._plans[epoch]
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        return plan_epoch(self.man, ~self.holdout, epoch=epoch, rank=self.rank, world=self.world, seed=self.seed,
+                          row_len=self.row_len, rows_per_batch=self.rows_per_batch,
+                          window_segments=self.window_segments)
 
     def steps_per_epoch(self) -> int:
         return self.epoch_plan(0).steps
@@ -410,18 +414,17 @@ class StreamingLoader:
             self._pool = _WorkerPool(self)
         pool = self._pool
         pool.forget_before(epoch)
-        # Tasks in flight are bounded; past this epoch's last windows the next epoch's first ones are
-        # started, so that an epoch boundary costs no wait.
+        # Tasks in flight are bounded; past this epoch's last windows the following epochs' are started,
+        # so that an epoch boundary costs no wait.
         limit = self.num_workers + self.prefetch
 
         def later_epochs():
             # Windows of the epochs that follow, as far as the bound lets the workers run ahead (on a
             # small store several epochs: one epoch's windows may take longer to build than to train).
+            # Planned apart from `epoch_plan`, whose one kept plan is the current epoch's.
             e = epoch + 1
             while True:
-                ws = plan_epoch(self.man, ~self.holdout, epoch=e, rank=self.rank, world=self.world, seed=self.seed,
-                                row_len=self.row_len, rows_per_batch=self.rows_per_batch,
-                                window_segments=self.window_segments).windows
+                ws = self._plan(e).windows
                 if not ws:
                     return
                 for w in ws:
@@ -507,7 +510,7 @@ class StreamingLoader:
             except BaseException as e:
                 err.append(e)
             finally:
-                batches.close()  # stops the worker processes when the consumer left early
+                batches.close()  # ends the row generator when the consumer left early (workers stay)
                 put(done)
 
         t = threading.Thread(target=produce, name="dflash-prefetch", daemon=True)

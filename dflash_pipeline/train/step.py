@@ -105,7 +105,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     head = frozen.head_VH
     res = fused_head_loss(hidden_NH.to(head.dtype), head, labels_N, weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
-                          chunk_size=loss_chunk_for(loss_chunk, frozen.head_VH.shape[0]))
+                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]))
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
     correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=hidden_RQH.device)
     correct_RQ[sel] = res.correct_N
