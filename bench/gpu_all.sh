@@ -10,6 +10,7 @@
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
 #         WRITER_PROCS (extract: writer processes; 0 = threads; default: extract's own)
 #         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
+#         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
@@ -55,11 +56,14 @@ for p in $parts; do
     part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
       --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
   train-store)
-    # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path.
-    rm -rf "$work/run"
-    part train-store "${LIMIT_TRAIN_STORE:-170}" "$py" -m dflash_pipeline train --store "$stores/store-bf16" --out "$work/run" --gpus "$gpus" \
-      "${train_args[@]}"
-    cp "$work/run/metrics.jsonl" "$out/train-store-metrics.jsonl" 2>/dev/null ;;
+    # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path;
+    # once per GPU count.
+    for g in ${gpus//,/ }; do
+      rm -rf "$work/run"
+      part "train-store-${g}gpu" "${LIMIT_TRAIN_STORE:-170}" "$py" -m dflash_pipeline train --store "$stores/store-bf16" \
+        --out "$work/run" --gpus "$g" "${train_args[@]}"
+      cp "$work/run/metrics.jsonl" "$out/train-store-${g}gpu-metrics.jsonl" 2>/dev/null
+    done ;;
   eval)
     "$py" - "$work" <<'EOF'
 import json, sys
@@ -72,7 +76,7 @@ EOF
   codecs)
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
   train-step)
-    part train-step "${LIMIT_TRAIN_STEP:-240}" "$py" bench/train.py --json "$out/train-step.json" ${TRAIN_BENCH_ARGS:-} "${smoke[@]}" ;;
+    part train-step "${LIMIT_TRAIN_STEP:-240}" "$py" bench/train.py --json "$out/train-step.json" --profile "$out/train-step-kernels.txt" ${TRAIN_BENCH_ARGS:-} "${smoke[@]}" ;;
   disk)
     # Sequential write bandwidth of the disk under WORK (direct I/O, no page cache), and of STORE_DIR.
     part disk 60 dd if=/dev/zero of="$work/dd.bin" bs=16M count=256 oflag=direct

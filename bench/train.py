@@ -9,7 +9,7 @@
   memory    hidden 5120, vocab 248,320, intermediate 17,408, 5 layers, block 32, 1,024 anchors,
             one 49,152-token row, KL on: the case that crashed an online pipeline. Goal: peak < 80 GB.
 
-    python bench/train.py [--only step|memory] [--steps 10] [--json OUT.json]
+    python bench/train.py [--only step|memory] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
     python bench/train.py --smoke      # tiny shapes on the CPU: checks the script before GPU time
 """
 
@@ -85,8 +85,24 @@ def timed_steps(fn, steps: int) -> tuple[float, float]:
     return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2 ** 30
 
 
+def profile_table(fn, path: str, steps: int = 2) -> None:
+    """CUDA kernels of `steps` calls of fn, by total GPU time: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(f"{steps} steps\n")
+        f.write(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90))
+
+
 def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
-               head_dim=128, layer_checkpointing=False):
+               head_dim=128, layer_checkpointing=False, profile: str | None = None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
@@ -130,6 +146,8 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
         flops["block_tokens"] = out.block_tokens
 
     t, mem = timed_steps(ours, steps)
+    if profile:
+        profile_table(ours, profile)
     med = {k: sorted(v)[len(v) // 2] if v else None for k, v in stages.items()}
     res = {"case": name, "step_s": t, "peak_gib": mem, "input_tok_s": R * S / t, "stage_s": med,
            "block_tok_s": flops["block_tokens"] / t, "mfu": flops["f"] / t / PEAK, "model_tflops_per_step": flops["f"] / 1e12}
@@ -159,18 +177,20 @@ def main() -> None:
     ap.add_argument("--only", choices=["step", "memory"], default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="write the step's CUDA kernels by GPU time to this file")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU is fine): check the script runs")
     args = ap.parse_args()
     out = {"date": time.strftime("%Y-%m-%d"),
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "results": []}
     if args.smoke:
         out["results"].append(bench_case("smoke", H=128, I=256, heads=4, kv=2, V=500, B=16, anchors=8, R=2, S=64,
-                                         kl=True, steps=2, layers=2, head_dim=32))
+                                         kl=True, steps=2, layers=2, head_dim=32, profile=args.profile))
         print(out["results"])
         return
     if args.only in (None, "step"):
         out["results"].append(bench_case("qwen3-8b drafter, 4x3072, 512 anchors, B=16", H=4096, I=12288, heads=32,
-                                         kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps))
+                                         kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps,
+                                         profile=args.profile))
     if args.only in (None, "memory"):
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,

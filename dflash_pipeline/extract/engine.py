@@ -152,6 +152,14 @@ class Engine:
         # says whether the GPU was kept busy. Resolved lazily, a few batches behind, to avoid syncs.
         self.gpu_events: list = []
         self.gpu_busy_s = 0.0
+        # Where the GPU loop's own (host) time goes: building inputs, launching the target's forward,
+        # launching encode/statistics, blocked on a staging buffer, blocked on an event. When launches
+        # take as long as the GPU work, the host is the limit (e.g. another thread holding the GIL).
+        self.host_s = {"inputs": 0.0, "launch_forward": 0.0, "launch_post": 0.0, "transfer": 0.0, "sync": 0.0}
+        # (time, tokens launched) after each segment's batches, and when the GPU finished the last one:
+        # the steady-state rate leaves out model warm-up and the final segments' drain.
+        self.marks: list[tuple[float, int]] = []
+        self.t_gpu_done: float | None = None
         n_proc = self._writer_processes()
         self.procs = ProcessWriter(writer.url, meta.to_dict(), n_proc, max(1, pool_threads() // n_proc)) \
             if n_proc > 0 else None
@@ -192,9 +200,12 @@ class Engine:
         with torch.inference_mode():
             self._run_batches(asm, sp, lengths)
         self.collect_q.put(("end", asm))
+        self.marks.append((time.time(), self.c["tokens_gpu"]))
 
     def _run_batches(self, asm: SegmentAssembly, sp: SegmentPlan, lengths: list[int]) -> None:
+        h = self.host_s
         for batch in make_batches(lengths, self.cfg.tokens_per_batch):
+            t0 = time.perf_counter()
             lens = [lengths[i] for i in batch]
             S = max(lens)
             ids = torch.zeros((len(batch), S), dtype=torch.long)
@@ -203,7 +214,9 @@ class Engine:
             if self.cuda:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
+            t1 = time.perf_counter()
             out = self.runner.run_batch(ids, lens)
+            t2 = time.perf_counter()
             enc = self.codec.encode(out.hidden_NLH)
             st = hidden_layer_stats(out.hidden_NLH)
             small = torch.stack([st["count"], st["sum"], st["sumsq"], st["absmax"], st["nonfinite"],
@@ -211,8 +224,16 @@ class Engine:
             if self.cuda:
                 ev[1].record()
                 self.gpu_events.append(ev)
+            t3 = time.perf_counter()
             self._transfer(asm, batch, sum(lens), enc, out, small)
+            t4 = time.perf_counter()
             self._resolve_gpu_time(8)
+            t5 = time.perf_counter()
+            h["inputs"] += t1 - t0
+            h["launch_forward"] += t2 - t1
+            h["launch_post"] += t3 - t2
+            h["transfer"] += t4 - t3
+            h["sync"] += t5 - t4
             self.c["tokens_gpu"] += sum(lens)
             self.c["samples_gpu"] += len(batch)
 
@@ -300,6 +321,9 @@ class Engine:
             raise self.error
 
     def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.t_gpu_done = time.time()
         self.collect_q.put(None)
         self.collector.join()
         for f in self.futures:
@@ -329,11 +353,23 @@ class Engine:
     def summary(self) -> dict[str, Any]:
         self._resolve_gpu_time(0)
         elapsed = time.time() - self.t_start
-        return {"rank": self.rank, "device": str(self.device), "seconds": elapsed,
-                "segments": self.c["segments"], "samples": self.c["samples"], "tokens": self.c["tokens"],
-                "bytes": self.c["bytes"], "tokens_per_second": self.c["tokens"] / elapsed if elapsed else 0.0,
-                "wait_staging_s": self.c["wait_staging"], "wait_write_s": self.c["wait_write"],
-                "gpu_busy_s": self.gpu_busy_s if self.cuda else None}
+        out = {"rank": self.rank, "device": str(self.device), "seconds": elapsed,
+               "segments": self.c["segments"], "samples": self.c["samples"], "tokens": self.c["tokens"],
+               "bytes": self.c["bytes"], "tokens_per_second": self.c["tokens"] / elapsed if elapsed else 0.0,
+               "wait_staging_s": self.c["wait_staging"], "wait_write_s": self.c["wait_write"],
+               "gpu_busy_s": self.gpu_busy_s if self.cuda else None,
+               "host_loop_s": dict(self.host_s)}
+        if self.t_gpu_done is not None and self.marks:
+            # Steady state: from the end of the first segment's launches to the GPU finishing the last
+            # batch. Tokens still queued at the first mark count on neither side of it, which biases
+            # the rate down, never up.
+            t_first, tok_first = self.marks[0]
+            out["first_segment_s"] = t_first - self.t_start
+            out["gpu_loop_s"] = self.t_gpu_done - self.t_start
+            out["drain_s"] = time.time() - self.t_gpu_done
+            if len(self.marks) > 1 and self.t_gpu_done > t_first:
+                out["steady_tokens_per_second"] = (self.c["tokens_gpu"] - tok_first) / (self.t_gpu_done - t_first)
+        return out
 
 
 class Reporter:
