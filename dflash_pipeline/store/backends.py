@@ -103,6 +103,37 @@ class KV:
 
         self._sync(self.zstore.set(key, default_buffer_prototype().buffer.from_bytes(value)))
 
+    def put_parts(self, key: str, parts: list) -> None:
+        """Write the concatenation of `parts` (bytes-like buffers) under `key`. A local store writes
+        them one after another into a temporary file that is then renamed (atomic, no joined copy);
+        other stores get one joined buffer."""
+        import zarr.storage
+
+        if isinstance(self.zstore, zarr.storage.LocalStore):
+            import uuid
+
+            path = Path(self.zstore.root) / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+            try:
+                with open(tmp, "wb") as f:
+                    for p in parts:
+                        f.write(p)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return
+        import numpy as np
+
+        total = sum(memoryview(p).nbytes for p in parts)
+        out = np.empty(total, dtype=np.uint8)
+        pos = 0
+        for p in parts:
+            b = np.frombuffer(p, dtype=np.uint8)
+            out[pos:pos + len(b)] = b
+            pos += len(b)
+        self.put(key, out)
+
     def put_if_absent(self, key: str, value: bytes) -> bool:
         """Create-once write. True if this call created the key with this value."""
         from zarr.core.buffer import default_buffer_prototype

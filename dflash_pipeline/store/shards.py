@@ -75,55 +75,118 @@ def numcodecs_blosc(zarr_blosc):
     return numcodecs.Blosc(cname=cfg["cname"], clevel=cfg["clevel"], shuffle=shuffle, blocksize=cfg["blocksize"])
 
 
-def _encode_chunk(data_TLH: np.ndarray, layer: int, a: int, C: int, blosc) -> tuple[bytes, bytes]:
-    """Inner chunk [C, 1, H] of `layer` from token a: C-order bytes (zero-padded past T), blosc; returns
-    (compressed bytes, their crc32c). Kept apart: concatenating bytes copies under the GIL."""
-    part = data_TLH[a:a + C, layer]
+# -- CRC32C of a concatenation from the CRCs of its parts ------------------------------------------
+# crc(A || B) = shift(crc(A), len(B)) ^ crc(B), where shift is linear over GF(2): the effect of feeding
+# len(B) zero bytes through the (reflected) CRC register. A layer's checksum is thereby assembled from
+# its chunks' checksums, computed by the threads that compress them, instead of by a strided copy of
+# the whole layer on one thread.
+
+_CRC32C_POLY = 0x82F63B78
+
+
+def _gf2_apply(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_apply(mat, mat[i]) for i in range(32)]
+
+
+def crc32c_shift_operator(nbytes: int) -> list[int]:
+    """The 32x32 GF(2) matrix (as 32 column ints) that advances a CRC32C over `nbytes` zero bytes."""
+    one_bit = [_CRC32C_POLY] + [1 << i for i in range(31)]  # one zero bit through the register
+    op = [1 << i for i in range(32)]                        # identity
+    power = _gf2_square(_gf2_square(_gf2_square(one_bit)))  # one zero byte
+    n = nbytes
+    while n:
+        if n & 1:
+            op = [_gf2_apply(power, c) for c in op]
+        n >>= 1
+        if n:
+            power = _gf2_square(power)
+    return op
+
+
+def crc32c_concat(crcs: list[int], sizes: list[int]) -> int:
+    """CRC32C of the concatenation of parts with these CRCs and byte sizes."""
+    ops: dict[int, list[int]] = {}
+    out = 0
+    for crc, n in zip(crcs, sizes):
+        if n == 0:
+            continue
+        op = ops.get(n)
+        if op is None:
+            op = ops[n] = crc32c_shift_operator(n)
+        out = _gf2_apply(op, out) ^ crc
+    return out
+
+
+def _encode_chunk(data_TLH: np.ndarray, layer: int, a: int, C: int, blosc) -> tuple[bytes, bytes, int, int]:
+    """Inner chunk [C, 1, H] of `layer` from token a: C-order bytes (zero-padded past T), blosc.
+    Returns (compressed bytes, their crc32c, crc32c of the raw real rows, their byte count)."""
+    import google_crc32c
+
+    part = np.ascontiguousarray(data_TLH[a:a + C, layer])
+    raw = part.reshape(-1).view(np.uint8)
+    raw_crc = google_crc32c.value(raw)
     if part.shape[0] < C:
         full = np.zeros((C, data_TLH.shape[2]), dtype=data_TLH.dtype)
         full[: part.shape[0]] = part
         part = full
-    comp = blosc.encode(np.ascontiguousarray(part))
-    return comp, _crc32c(comp)
+    comp = blosc.encode(part)
+    return comp, _crc32c(comp), raw_crc, raw.nbytes
 
 
-def _assemble(chunks: list[tuple[bytes, bytes]]) -> np.ndarray:
-    """The shard's bytes as one uint8 array. Filled by numpy copies, which release the GIL: a shard is
-    tens to hundreds of MB, and a bytes join or concatenation holds the GIL for the whole copy, which
-    stalls the thread that launches the GPU work."""
-    sizes = [len(c) + len(crc) for c, crc in chunks]
+def _shard_parts(chunks: list[tuple[bytes, bytes, int, int]]) -> list:
+    """The shard's bytes as a list of buffers, in file order: each inner chunk's compressed bytes and
+    CRC, then the index and the index's CRC."""
+    sizes = [len(c[0]) + len(c[1]) for c in chunks]
     index = np.empty((len(chunks), 2), dtype="<u8")
     index[:, 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if sizes else []
     index[:, 1] = sizes
     index_bytes = index.tobytes()
-    total = sum(sizes)
-    out = np.empty(total + len(index_bytes) + 4, dtype=np.uint8)
-    pos = 0
-    for c, crc in chunks:
-        out[pos:pos + len(c)] = np.frombuffer(c, dtype=np.uint8)
-        out[pos + len(c):pos + len(c) + len(crc)] = np.frombuffer(crc, dtype=np.uint8)
-        pos += len(c) + len(crc)
-    out[pos:pos + len(index_bytes)] = np.frombuffer(index_bytes, dtype=np.uint8)
-    out[pos + len(index_bytes):] = np.frombuffer(_crc32c(index_bytes), dtype=np.uint8)
-    return out
+    parts: list = []
+    for c in chunks:
+        parts += [c[0], c[1]]
+    return parts + [index_bytes, _crc32c(index_bytes)]
 
 
-def write_layer_shards(kv, prefix: str, data_TLH: np.ndarray, C: int, zarr_blosc) -> None:
-    """Write hidden [T, L, H] as one shard per layer (shard [ceil(T/C)*C, 1, H], chunks [C, 1, H]).
+def write_layer_shards(kv, prefix: str, data_TLH: np.ndarray, C: int, zarr_blosc) -> "ShardWrite":
+    """Start writing hidden [T, L, H] as one shard per layer (shard [ceil(T/C)*C, 1, H], chunks
+    [C, 1, H]) on the pool; `.result()` waits and returns, per layer, the CRC32C of its raw [T, H]
+    bytes (what the commit marker records).
 
     `prefix` is the array's path; the array metadata must already declare exactly these codecs.
+    Shards go to storage as a sequence of buffers (`kv.put_parts`): no copy into one contiguous array,
+    which for a few hundred MB per layer cost a serial second per segment in page faults and copies.
     """
     T, L, _ = data_TLH.shape
     blosc = numcodecs_blosc(zarr_blosc)
     starts = list(range(0, max(T, 1), C))
     pool = encode_pool()
     futures = {(l, a): pool.submit(_encode_chunk, data_TLH, l, a, C, blosc) for l in range(L) for a in starts}
-    shard_futures = []
-    for l in range(L):
+
+    def finish_layer(l: int) -> int:
         chunks = [futures[(l, a)].result() for a in starts]
-        shard_futures.append(pool.submit(kv.put, f"{prefix}/c/0/{l}/0", _assemble(chunks)))
-    for f in shard_futures:
-        f.result()
+        kv.put_parts(f"{prefix}/c/0/{l}/0", _shard_parts(chunks))
+        return crc32c_concat([c[2] for c in chunks], [c[3] for c in chunks])
+
+    # Layer l's finisher waits only on its own chunks, which were all queued before any finisher.
+    return ShardWrite([pool.submit(finish_layer, l) for l in range(L)])
+
+
+class ShardWrite:
+    def __init__(self, futures):
+        self.futures = futures
+
+    def result(self) -> list[int]:
+        return [f.result() for f in self.futures]
 
 
 def our_shard_layout(meta: dict) -> int | None:

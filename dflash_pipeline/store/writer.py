@@ -29,7 +29,7 @@ from dflash_pipeline.schemas.store import (
     segment_path,
 )
 from dflash_pipeline.store.backends import KV, open_zarr_store
-from dflash_pipeline.store.shards import encode_pool, write_layer_shards
+from dflash_pipeline.store.shards import write_layer_shards
 from dflash_pipeline.store.codecs import (
     chunk_tokens, get_codec, hidden_layer_stats, small_array_compressors,
 )
@@ -40,11 +40,6 @@ def crc32c(arr: np.ndarray) -> int:
 
     # google_crc32c takes a read-only buffer; a uint8 ndarray view passes without a copy (~12 GB/s).
     return int(google_crc32c.value(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
-
-
-def hidden_crcs(hidden_TLH: np.ndarray) -> list[int]:
-    """One CRC per layer, so a reader of a subset of layers can verify what it read."""
-    return [crc32c(hidden_TLH[:, l]) for l in range(hidden_TLH.shape[1])]
 
 
 def now_iso() -> str:
@@ -129,21 +124,17 @@ class StoreWriter:
             # Zero-length dimensions are legal (K = 0 without teacher); chunk sizes must be >= 1.
             chunks = tuple(max(1, c) for c in chunks)
             shards = None if shards is None else tuple(max(1, s) for s in shards)
+            # write_empty_chunks: a chunk equal to the fill value (say sample_ids == [0]) must still be
+            # written, or the segment reads as damaged (a committed segment has every chunk file).
             zarr.create_array(self.zstore, name=f"{base}/{name}", data=data, chunks=chunks, shards=shards,
-                              compressors=compressors, fill_value=0, write_data=True)
+                              compressors=compressors, fill_value=0, write_data=True,
+                              config={"write_empty_chunks": True})
             record[name] = {"shape": list(data.shape), "dtype": str(data.dtype), "crc32c": crcs}
 
         from zarr.codecs import Crc32cCodec
 
-        put("tokens", arrays.tokens_T.astype(np.int32, copy=False), (T,), None, small_array_compressors(4),
-            [crc32c(arrays.tokens_T)])
-        put("loss_mask", arrays.loss_mask_T.astype(bool, copy=False), (T,), None, small_array_compressors(1),
-            [crc32c(arrays.loss_mask_T)])
-        put("sample_offsets", arrays.sample_offsets.astype(np.int64, copy=False), (len(arrays.sample_offsets),),
-            None, small_array_compressors(8), [crc32c(arrays.sample_offsets)])
-        put("sample_ids", arrays.sample_ids.astype(np.int64, copy=False), (len(arrays.sample_ids),), None,
-            small_array_compressors(8), [crc32c(arrays.sample_ids)])
-        # hidden: one shard per layer (a few objects per segment), inner chunks of C tokens so that one
+        # hidden first, so that its shards compress on the pool while the small arrays are written
+        # here: one shard per layer (a few objects per segment), inner chunks of C tokens so that one
         # sample can be read without its whole segment; CRC32C on every inner chunk catches damage.
         C = chunk_tokens(H, arrays.hidden_TLH.dtype.itemsize)
         C = min(C, max(T, 1))
@@ -153,19 +144,33 @@ class StoreWriter:
         zarr.create_array(self.zstore, name=f"{base}/hidden", shape=arrays.hidden_TLH.shape,
                           dtype=arrays.hidden_TLH.dtype, chunks=(C, 1, H), shards=(shard_T, 1, H),
                           compressors=compressors, fill_value=0)
-        crc_future = encode_pool().submit(hidden_crcs, arrays.hidden_TLH)
-        if T:
-            write_layer_shards(self.kv, f"{base}/hidden", arrays.hidden_TLH, C, compressors[0])
+        hidden = write_layer_shards(self.kv, f"{base}/hidden", arrays.hidden_TLH, C, compressors[0]) if T else None
+        try:
+            put("tokens", arrays.tokens_T.astype(np.int32, copy=False), (T,), None, small_array_compressors(4),
+                [crc32c(arrays.tokens_T)])
+            put("loss_mask", arrays.loss_mask_T.astype(bool, copy=False), (T,), None, small_array_compressors(1),
+                [crc32c(arrays.loss_mask_T)])
+            put("sample_offsets", arrays.sample_offsets.astype(np.int64, copy=False), (len(arrays.sample_offsets),),
+                None, small_array_compressors(8), [crc32c(arrays.sample_offsets)])
+            put("sample_ids", arrays.sample_ids.astype(np.int64, copy=False), (len(arrays.sample_ids),), None,
+                small_array_compressors(8), [crc32c(arrays.sample_ids)])
+            if self.codec.has_scale:
+                assert arrays.hidden_scale_TL is not None
+                put("hidden_scale", arrays.hidden_scale_TL.astype(np.float32, copy=False), (C, L), (shard_T, L),
+                    [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.hidden_scale_TL)])
+            put("topk_ids", arrays.topk_ids_TK.astype(np.int32, copy=False), (C, K), (shard_T, K),
+                [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.topk_ids_TK)])
+            put("topk_logprobs", arrays.topk_logprobs_TK.astype(np.float16, copy=False), (C, K), (shard_T, K),
+                [*small_array_compressors(2), Crc32cCodec()], [crc32c(arrays.topk_logprobs_TK)])
+        except BaseException:
+            if hidden is not None:  # the pool still reads the caller's array: let it finish first
+                try:
+                    hidden.result()
+                except BaseException:
+                    pass
+            raise
         record["hidden"] = {"shape": list(arrays.hidden_TLH.shape), "dtype": str(arrays.hidden_TLH.dtype),
-                            "crc32c": crc_future.result()}
-        if self.codec.has_scale:
-            assert arrays.hidden_scale_TL is not None
-            put("hidden_scale", arrays.hidden_scale_TL.astype(np.float32, copy=False), (C, L), (shard_T, L),
-                [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.hidden_scale_TL)])
-        put("topk_ids", arrays.topk_ids_TK.astype(np.int32, copy=False), (C, K), (shard_T, K),
-            [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.topk_ids_TK)])
-        put("topk_logprobs", arrays.topk_logprobs_TK.astype(np.float16, copy=False), (C, K), (shard_T, K),
-            [*small_array_compressors(2), Crc32cCodec()], [crc32c(arrays.topk_logprobs_TK)])
+                            "crc32c": hidden.result() if hidden is not None else [0] * L}
         for name in record:
             record[name]["bytes"] = self.kv.size_prefix(f"{base}/{name}")
 
