@@ -89,6 +89,40 @@ def test_features_equal_plain_forward(extracted, smollm_model):
     assert batched_with_others >= 1 and seg_sizes.max() > 1
 
 
+def test_batches_never_ask_the_device_about_padding(smollm_dir, smollm_model, monkeypatch):
+    """transformers' SDPA mask asks `padding_mask.all()` (and, without a mask, scans position ids for
+    packing): a device sync per forward that let every host hiccup idle the GPU. Extraction tells the
+    mask from the host; padded and unpadded batches still equal a plain forward of each sample."""
+    import transformers.masking_utils as mu
+
+    from dflash_pipeline.extract.target import SDPA_NO_SYNC, TargetRunner, load_target
+
+    model = load_target(smollm_dir, torch.float32, "cpu")
+    assert model.config._attn_implementation == SDPA_NO_SYNC
+    runner = TargetRunner(model, [1, 8, 20], 8)
+
+    def no_device_check(padding_mask, *a, **k):
+        assert padding_mask is None, "asked the device whether the batch is padded"
+        return orig(padding_mask, *a, **k)
+
+    orig = mu._ignore_causal_mask_sdpa
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", no_device_check)
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda *a, **k: pytest.fail("scanned position ids"))
+    g = torch.Generator().manual_seed(0)
+    for lengths in ([37, 20, 9], [24, 24]):
+        ids = torch.randint(0, 1000, (len(lengths), max(lengths)), generator=g)
+        out = runner.run_batch(ids, lengths)
+        off = 0
+        for i, n in enumerate(lengths):
+            with torch.no_grad():
+                ref = smollm_model(ids[i:i + 1, :n], output_hidden_states=True)
+            hs = torch.stack([ref.hidden_states[k + 1][0] for k in [1, 8, 20]], 1)
+            assert torch.allclose(out.hidden_NLH[off:off + n], hs, atol=1e-3, rtol=1e-4)
+            top = torch.log_softmax(ref.logits[0].float(), -1).topk(8)
+            assert torch.allclose(out.topk_logprobs_NK[off:off + n].float(), top.values, atol=1e-2)
+            off += n
+
+
 def test_store_carries_target_and_record(extracted, smollm_model):
     cfg, record = extracted
     r = StoreReader(cfg.out)

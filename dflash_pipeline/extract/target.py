@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,55 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# -- attention masks without a device sync ---------------------------------------------------------
+# For SDPA, transformers asks `padding_mask.all()` of every batch to decide whether the causal mask can
+# be skipped (and, without a 2D mask, inspects position ids for packing): a device-to-host sync at the
+# start of each forward. The host then cannot queue the next batch while the GPU works, so every host
+# hiccup (the writer, the collector, Python) leaves the GPU idle. Extraction knows on the host whether
+# a batch is padded; an attention implementation registered under our own name (the same SDPA kernel)
+# builds the mask from that instead of asking the device.
+
+SDPA_NO_SYNC = "nosync_sdpa"  # no "flash" in the name: transformers reads that as a flash kernel
+_MASK_STATE = threading.local()
+
+
+def _no_sync_sdpa_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    padded = getattr(_MASK_STATE, "padded", None)
+    if padded is False:      # no padding: the 2D mask adds nothing (causal may then use is_causal)
+        attention_mask = None
+    elif padded is True:     # padding: build the mask, without testing the device for "no padding"
+        allow_is_causal_skip = False
+    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def _register_no_sync_sdpa() -> bool:
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        AttentionInterface.register(SDPA_NO_SYNC, ALL_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(SDPA_NO_SYNC, _no_sync_sdpa_mask)
+        return True
+    except Exception:  # an older transformers: the plain SDPA path (with its sync) still works
+        return False
+
+
+class batch_padding:
+    """Context: the forward inside runs a batch that is (not) padded, as known on the host."""
+
+    def __init__(self, padded: bool):
+        self.padded = padded
+
+    def __enter__(self):
+        self.prev = getattr(_MASK_STATE, "padded", None)
+        _MASK_STATE.padded = self.padded
+
+    def __exit__(self, *exc):
+        _MASK_STATE.padded = self.prev
+
+
 def load_target(path: Path | str, dtype: torch.dtype, device: torch.device | str | None = None,
                 replica_devices: list[int] | None = None):
     """Load the target for inference. `replica_devices` splits it over several GPUs of this process."""
@@ -98,10 +148,14 @@ def load_target(path: Path | str, dtype: torch.dtype, device: torch.device | str
         kwargs["max_memory"] = {i: torch.cuda.get_device_properties(i).total_memory * 0.9 for i in replica_devices}
     elif device is not None and torch.device(device).type == "cuda":
         kwargs["device_map"] = {"": str(device)}  # load straight onto the GPU, not through host memory
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs)
-    except (ValueError, ImportError):  # models without an sdpa path
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = None
+    for impl in ([SDPA_NO_SYNC] if _register_no_sync_sdpa() else []) + ["sdpa", None]:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs, **({"attn_implementation": impl} if impl else {}))
+            break
+        except (ValueError, ImportError):  # models without an sdpa path
+            if impl is None:
+                raise
     if "device_map" not in kwargs and device is not None:
         model.to(device)
     model.eval()
@@ -158,11 +212,13 @@ class TargetRunner:
                 logits = logits * self.logit_scale
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            lp = torch.log_softmax(logits, dim=-1)
-            top = lp.topk(self.topk, dim=-1)
+            # top-k of the log-softmax = top-k of the logits minus their logsumexp: one pass less over
+            # [chunk, vocab] than materialising the log-softmax.
+            top = logits.topk(self.topk, dim=-1)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             ids.append(top.indices.to(torch.int32))
-            lps.append(top.values.to(torch.float16))
-            del logits, lp
+            lps.append((top.values - lse).to(torch.float16))
+            del logits
         return torch.cat(ids), torch.cat(lps)
 
     @torch.inference_mode()
@@ -183,7 +239,8 @@ class TargetRunner:
         ids = input_ids_BS.to(self.input_device, non_blocking=True)
         attn = attn.to(self.input_device, non_blocking=True)
         self._captured.clear()
-        out = base_model(self.model)(input_ids=ids, attention_mask=attn.long(), use_cache=False)
+        with batch_padding(any(n != S for n in lengths)):
+            out = base_model(self.model)(input_ids=ids, attention_mask=attn.long(), use_cache=False)
         final = out.last_hidden_state
         # [B, S, L, H] -> real tokens only, [N, L, H]
         hidden = torch.stack([self._captured[k].to(self.input_device) for k in self.layer_ids], dim=2)
