@@ -102,13 +102,13 @@ def profile_table(fn, path: str, steps: int = 2) -> None:
 
 
 def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
-               head_dim=128, layer_checkpointing=False, profile: str | None = None):
+               head_dim=128, checkpoint_layers=0, profile: str | None = None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
                         target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1e6)
     model = DFlashDrafter(cfg)
-    model.gradient_checkpointing = layer_checkpointing
+    model.checkpoint_layers = checkpoint_layers
     init_drafter_weights(model)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -195,10 +195,12 @@ def main() -> None:
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
                                          kl=True, steps=max(3, args.steps // 3), conventional=False))
-        torch.cuda.empty_cache()
-        out["results"].append(bench_case("memory case with layer checkpointing", H=5120, I=17408, heads=40, kv=8,
-                                         V=248320, B=32, anchors=1024, R=1, S=49152, kl=True,
-                                         steps=max(3, args.steps // 3), conventional=False, layer_checkpointing=True))
+        for n, label in ((2, "2 of 5 layers checkpointed (--checkpoint-layers 2)"),
+                         (5, "every layer checkpointed (--activation-checkpointing)")):
+            torch.cuda.empty_cache()
+            out["results"].append(bench_case(f"memory case, {label}", H=5120, I=17408, heads=40, kv=8,
+                                             V=248320, B=32, anchors=1024, R=1, S=49152, kl=True,
+                                             steps=max(3, args.steps // 3), conventional=False, checkpoint_layers=n))
     torch.cuda.empty_cache()
     for r in out["results"]:
         r["model_flops_note"] = "MFU counts model FLOPs only (no recompute)"

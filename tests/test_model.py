@@ -219,16 +219,19 @@ def test_training_backward_is_finite_with_padding():
 
 
 def test_gradient_checkpointing_gives_same_gradients():
+    """None, some (--checkpoint-layers 1) or all layers recomputed in backward: same gradients."""
     batch, _ = packed_batch()
     grads = []
-    for ckpt in (False, True):
+    for n in (0, 1, 2):
         model = random_drafter(tiny_config("sliding")).train()
-        model.gradient_checkpointing = ckpt
+        model.checkpoint_layers = n
+        assert model.gradient_checkpointing == (n == 2)
         out = model(**batch)
         (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
         grads.append([p.grad for p in model.parameters()])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b)
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b)
 
 
 # --- config and helpers --------------------------------------------------------------------------

@@ -276,8 +276,10 @@ def test_activation_checkpointing_changes_memory_not_numbers(tiny_store, tmp_pat
     """Recomputing layers in backward is a memory/compute trade: same losses and weights."""
     run_train(_cfg(tiny_store, tmp_path / "plain", steps=4, num_layers=2))
     run_train(_cfg(tiny_store, tmp_path / "ckpt", steps=4, num_layers=2, activation_checkpointing=True))
-    a, b = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt")
+    run_train(_cfg(tiny_store, tmp_path / "some", steps=4, num_layers=2, checkpoint_layers=1))
+    a, b, c = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt"), _losses(tmp_path / "some")
     assert [a[s] for s in range(1, 5)] == pytest.approx([b[s] for s in range(1, 5)], rel=1e-6)
+    assert [a[s] for s in range(1, 5)] == pytest.approx([c[s] for s in range(1, 5)], rel=1e-6)
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["train"]["activation_checkpointing"] is True
 

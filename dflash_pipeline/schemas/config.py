@@ -36,7 +36,10 @@ class ExtractConfig:
     logit_chunk_tokens: int = 2048
     device: str = "auto"                 # auto | cuda | cpu
     num_procs: int | None = None         # CPU only: worker processes (tests of the multi-process path)
-    inflight_segments: int = 2
+    # Segments between the GPU loop and the store: one being filled, the rest being written. With two,
+    # a bf16 Qwen3-8B segment (1.3 GB) had to be written in the time the GPU took to fill the next
+    # one, and the H200 waited on writes 11% of the time; four absorb it (host memory: 4 segments).
+    inflight_segments: int = 4
     writer_processes: int | None = None  # segment writers in processes; None: inflight_segments on GPUs, 0 on CPUs
     quiet: bool = False
 
@@ -101,6 +104,7 @@ class TrainConfig:
     resume: bool = False
     strict: bool = False
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
+    checkpoint_layers: int = 0              # recompute only the first N layers (between none and all)
     seed: int = 0
     num_workers: int = 2
     wandb: str | None = None
@@ -134,6 +138,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.block_size < 2:
             raise ValueError("--block-size must be >= 2")
+        if self.checkpoint_layers < 0:
+            raise ValueError("--checkpoint-layers must be >= 0")
         if self.gamma is None and self.block_size not in (8, 10, 16):
             raise ValueError(f"--gamma: no published loss decay for block size {self.block_size} "
                              "(7 for 16, 5 for 10, 4 for 8); pass --gamma")

@@ -191,15 +191,18 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     frozen = frozen_tensors(reader, device, compute_dtype)
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(dcfg)
-    model.gradient_checkpointing = cfg.activation_checkpointing
+    model.checkpoint_layers = dcfg.num_layers if cfg.activation_checkpointing else min(cfg.checkpoint_layers,
+                                                                                        dcfg.num_layers)
     init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, {n_params / 1e6:.1f}M trainable "
              f"parameters; block {dcfg.block_size}, features from target layers {dcfg.target_layer_ids}, "
              f"mask token {dcfg.mask_token_id}; {world} process(es) on {kind}")
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if kind == "cuda" else None) \
-        if world > 1 else model
+    # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy into them each step,
+    # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if kind == "cuda" else None,
+                                                    gradient_as_bucket_view=True) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=kind == "cuda")
     loader = StreamingLoader(reader, layers=dcfg.target_layer_ids, rank=rank, world=world, seed=cfg.seed,
