@@ -83,6 +83,41 @@ def test_loader_resume_gives_the_next_batches(tiny_store):
     _same(first + rest, full)
 
 
+def test_stream_across_epochs_prefetches_over_the_boundary(tiny_store, monkeypatch):
+    """`iter_from` runs one prefetch pipeline through epoch boundaries: the next epoch's first batch is
+    built while the last one of the epoch trains (per-epoch iterators restarted the pipeline there: a
+    wait on the GPU at every boundary). Its batches are those of the epochs one by one."""
+    import time
+
+    import dflash_pipeline.train.data as data
+
+    per_epoch = _batches(_loader(tiny_store), 0, 1) + _batches(_loader(tiny_store), 1)
+    orig = data.build_window_rows
+
+    def slow(*a, **k):
+        time.sleep(0.3)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(data, "build_window_rows", slow)
+    loader = _loader(tiny_store)   # num_workers=0: the prefetch thread builds the windows itself
+    n0 = loader.epoch_plan(0).steps
+    stream = loader.iter_from(0, 1)
+    got, tags = [], []
+    for tag, b in stream:
+        got.append(b)
+        tags.append(tag[:2])
+        if tag[:2] == (0, n0 - 1):
+            time.sleep(1.0)                      # the step on epoch 0's last batch
+            loader.data_wait = 0.0
+        elif tag[0] == 1 and tag[1] == 0:
+            assert loader.data_wait < 0.15, loader.data_wait
+        if len(got) == len(per_epoch):
+            break
+    stream.close()
+    assert tags[0] == (0, 1) and tags[n0 - 1] == (1, 0)
+    _same(got, per_epoch)
+
+
 def test_workers_do_not_change_the_order(tiny_store):
     _same(_batches(_loader(tiny_store, num_workers=2)), _batches(_loader(tiny_store, num_workers=0)))
 

@@ -360,15 +360,21 @@ class StreamingLoader:
         self.started, self.startup_wait = False, 0.0
         self.corrupt: list[str] = []
         self._plans: dict[int, EpochPlan] = {}
+        self._plan_lock = threading.Lock()
         self._pool: _WorkerPool | None = None
 
     # -- planning -------------------------------------------------------------------------------------
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
-        """This rank's plan for `epoch` (the last one asked for is kept)."""
-        if epoch not in self._plans:
-            self._plans = {epoch: self._plan(epoch)}
-        return self._plans[epoch]
+        """This rank's plan for `epoch` (a few recent ones and epoch 0's are kept; the prefetch thread
+        plans ahead while the trainer asks for epoch 0's step count)."""
+        with self._plan_lock:
+            plan = self._plans.get(epoch)
+            if plan is None:
+                plan = self._plans[epoch] = self._plan(epoch)
+                for k in sorted(k for k in self._plans if k not in (0, epoch))[:-2]:
+                    del self._plans[k]
+            return plan
 
     def _plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(self.man, ~self.holdout, epoch=epoch, rank=self.rank, world=self.world, seed=self.seed,
@@ -390,6 +396,29 @@ class StreamingLoader:
     # -- iteration ------------------------------------------------------------------------------------
 
     def iter_epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        """This rank's batches of one epoch, from batch `start_batch`."""
+        for _, b in self._prefetched(self._epoch_items(epoch, start_batch)):
+            yield b
+
+    def iter_from(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[tuple[int, int, int], Batch]]:
+        """((epoch, batch index, batches in that epoch), batch) from `start_batch` of `epoch` on, through
+        every following epoch, in one prefetch pipeline: an epoch boundary neither drains the prefetch
+        queue nor pins new buffers (per epoch, that cost 4-8% data wait on two H200s). Ends only if an
+        epoch has no batch."""
+        def items():
+            e, start = epoch, start_batch
+            while True:
+                any_item = False
+                for item in self._epoch_items(e, start):
+                    any_item = True
+                    yield item
+                if not any_item and start == 0:
+                    return
+                e, start = e + 1, 0
+
+        return self._prefetched(items())
+
+    def _epoch_items(self, epoch: int, start_batch: int) -> Iterator[tuple[tuple[int, int, int], list[dict[str, Any]]]]:
         plan = self.epoch_plan(epoch)
         order = plan.batch_rows(self.rows_per_batch)[start_batch * self.rows_per_batch:]
         if not order:
@@ -397,7 +426,8 @@ class StreamingLoader:
         needed = sorted({w for w, _ in order})
         windows = [plan.windows[w] for w in needed]
         rows_iter = self._rows(windows, set(order), epoch)
-        yield from self._prefetched(self._batches(rows_iter))
+        for k, rows in enumerate(self._batches(rows_iter)):
+            yield (epoch, start_batch + k, plan.steps), rows
 
     def _rows(self, windows: list[Window], wanted: set[tuple[int, int]], epoch: int) -> Iterator[dict[str, Any]]:
         """Rows in window order, built in worker processes (or inline with num_workers=0)."""
@@ -472,7 +502,7 @@ class StreamingLoader:
                 yield buf
                 buf = []
 
-    def _prefetched(self, batches: Iterator[list[dict[str, Any]]]) -> Iterator[Batch]:
+    def _prefetched(self, batches: Iterator[tuple[Any, list[dict[str, Any]]]]) -> Iterator[tuple[Any, Batch]]:
         """A thread stacks into pinned memory and starts the copy; the loop waits only when data is late."""
         cuda = self.device.type == "cuda"
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
@@ -494,7 +524,7 @@ class StreamingLoader:
 
         def produce():
             try:
-                for rows in batches:
+                for tag, rows in batches:
                     if cuda:
                         b = ring.stage(rows)
                         with torch.cuda.stream(stream):
@@ -502,9 +532,9 @@ class StreamingLoader:
                             ev = torch.cuda.Event()
                             ev.record(stream)
                         ring.last_event = ev
-                        item = (d, ev)
+                        item = (tag, d, ev)
                     else:
-                        item = (_stack(rows), None)
+                        item = (tag, _stack(rows), None)
                     if not put(item):
                         break
             except BaseException as e:
@@ -526,7 +556,7 @@ class StreamingLoader:
                     self.startup_wait, self.started = waited, True
                 if item is done:
                     break
-                b, ev = item
+                tag, b, ev = item
                 if ev is not None:
                     main = torch.cuda.current_stream(self.device)
                     main.wait_event(ev)
@@ -534,7 +564,7 @@ class StreamingLoader:
                     # hand the memory to the next copy while kernels still read it.
                     for f in _PinnedRing.FIELDS:
                         getattr(b, f).record_stream(main)
-                yield b
+                yield tag, b
         finally:
             # The consumer may stop early (end of run, signal): release the producer and wait for it,
             # so no thread is left blocked inside torch when the interpreter exits.

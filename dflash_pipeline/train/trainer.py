@@ -269,85 +269,84 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     eval_rows = loader.eval_rows()[: cfg.eval_max_samples]
     last_eval: dict[str, Any] = {}
     model.train()
+    # One stream of batches across epochs (the loader's prefetch never drains at an epoch boundary),
+    # grouped into steps of --grad-accum batches of one epoch.
+    groups = _epoch_groups(loader.iter_from(epoch, batch_in_epoch), cfg.grad_accum)
     try:
-        while step < total and not stop.set:
-            it = _grouped(loader.iter_epoch(epoch, batch_in_epoch), cfg.grad_accum)
-            for batch in it:
-                opt.zero_grad(set_to_none=True)
-                g = step_generator(cfg.seed, rank, step, device)
-                for i, b in enumerate(batch):
-                    anchors = draw_anchors(b, cfg.max_anchors, g, cfg.block_size)
-                    ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else contextlib.nullcontext()
-                    with ctx:
-                        out = run_blocks(ddp, frozen, b, anchors.to(device), block_size=cfg.block_size,
-                                         mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.kl_weight,
-                                         cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise,
-                                         loss_chunk=cfg.loss_chunk, g=g, autocast=autocast)
-                        (out.loss / len(batch)).backward()
-                    acc.add(out, b.tokens.numel())
-                lr = _lr_at(cfg, step, total)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-                opt.step()
-                if ema is not None:
-                    with torch.no_grad():
-                        for k, v in model.state_dict().items():
-                            ema[k].mul_(cfg.ema).add_(v.float(), alpha=1 - cfg.ema)
-                step += 1
-                steps_this_run += 1
-                batch_in_epoch += len(batch)
-                acc.grad_norm = acc.grad_norm + gnorm.detach().double()
-                acc.steps += 1
-                if world == 1:
-                    stop.set = stop.requested
-                elif step % 10 == 0 or step == total:
-                    # Ranks agree on a signal every 10 steps (the same steps everywhere), not every step:
-                    # each agreement is a host sync.
-                    flag = torch.tensor([float(stop.requested)], device=device)
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    stop.set = bool(flag.item())
-                if cfg.stop_after is not None and steps_this_run >= cfg.stop_after:
-                    stop.set = True
-                if step % cfg.log_every == 0 or step == total or stop.set:
-                    rec = acc.reduce(world, dist if world > 1 else None)
-                    now = time.time()
-                    rec.update(step=step, epoch=epoch + batch_in_epoch / max(1, loader.steps_per_epoch()), lr=lr,
-                               data_wait_frac=loader.data_wait / max(
-                                   now - t_log - (loader.startup_wait if first_log else 0.0), 1e-9),
-                               peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2 ** 30 if kind == "cuda" else None,
-                               eta_s=(total - step) * (now - t_run) / max(1, step - started_step),
-                               corrupt_segments_skipped=len(loader.corrupt))
-                    if first_log:  # the wait for the first batch (workers starting) is not data wait
-                        rec["data_startup_s"], first_log = loader.startup_wait, False
-                    rec["mfu"] = rec.pop("flops_per_s") / (PEAK_BF16_FLOPS * world) if kind == "cuda" else None
-                    loader.data_wait, t_log = 0.0, now
-                    acc.clear()
-                    if rank == 0:
-                        metrics.write({"type": "train", **rec})
-                        trackers.log(rec, step)
-                        line.update(_render(rec, total), force=True)
-                elif rank == 0:
-                    # Between logged steps: a line with no device sync (on a terminal every step, in a
-                    # log every 30 s), so a slow first interval never looks like a hang.
-                    el = time.time() - t_run
-                    line.update(f"step {step:,}/{total:,}  {el:.0f}s  data wait {loader.data_wait:.1f}s  "
-                                f"ETA {fmt_duration((total - step) * el / max(1, step - started_step))}")
-                if cfg.eval_every and step % cfg.eval_every == 0 and len(eval_rows):
-                    last_eval = run_eval()
-                if cfg.save_every and step % cfg.save_every == 0 and not stop.set:
-                    save()
-                if step >= total or stop.set:
-                    it.close()  # stops the loader's prefetch thread now
-                    break
-            else:
+        for (epoch, last, in_epoch), batch in (groups if step < total else ()):
+            opt.zero_grad(set_to_none=True)
+            g = step_generator(cfg.seed, rank, step, device)
+            for i, b in enumerate(batch):
+                anchors = draw_anchors(b, cfg.max_anchors, g, cfg.block_size)
+                ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else contextlib.nullcontext()
+                with ctx:
+                    out = run_blocks(ddp, frozen, b, anchors.to(device), block_size=cfg.block_size,
+                                     mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.kl_weight,
+                                     cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise,
+                                     loss_chunk=cfg.loss_chunk, g=g, autocast=autocast)
+                    (out.loss / len(batch)).backward()
+                acc.add(out, b.tokens.numel())
+            lr = _lr_at(cfg, step, total)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            opt.step()
+            if ema is not None:
+                with torch.no_grad():
+                    for k, v in model.state_dict().items():
+                        ema[k].mul_(cfg.ema).add_(v.float(), alpha=1 - cfg.ema)
+            step += 1
+            steps_this_run += 1
+            batch_in_epoch = last + 1
+            epoch_done = batch_in_epoch + cfg.grad_accum > in_epoch  # no further full step this epoch
+            acc.grad_norm = acc.grad_norm + gnorm.detach().double()
+            acc.steps += 1
+            if world == 1:
+                stop.set = stop.requested
+            elif step % 10 == 0 or step == total:
+                # Ranks agree on a signal every 10 steps (the same steps everywhere), not every step:
+                # each agreement is a host sync.
+                flag = torch.tensor([float(stop.requested)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop.set = bool(flag.item())
+            if cfg.stop_after is not None and steps_this_run >= cfg.stop_after:
+                stop.set = True
+            if step % cfg.log_every == 0 or step == total or stop.set:
+                rec = acc.reduce(world, dist if world > 1 else None)
+                now = time.time()
+                rec.update(step=step, epoch=epoch + batch_in_epoch / max(1, loader.steps_per_epoch()), lr=lr,
+                           data_wait_frac=loader.data_wait / max(
+                               now - t_log - (loader.startup_wait if first_log else 0.0), 1e-9),
+                           peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2 ** 30 if kind == "cuda" else None,
+                           eta_s=(total - step) * (now - t_run) / max(1, step - started_step),
+                           corrupt_segments_skipped=len(loader.corrupt))
+                if first_log:  # the wait for the first batch (workers starting) is not data wait
+                    rec["data_startup_s"], first_log = loader.startup_wait, False
+                rec["mfu"] = rec.pop("flops_per_s") / (PEAK_BF16_FLOPS * world) if kind == "cuda" else None
+                loader.data_wait, t_log = 0.0, now
+                acc.clear()
+                if rank == 0:
+                    metrics.write({"type": "train", **rec})
+                    trackers.log(rec, step)
+                    line.update(_render(rec, total), force=True)
+            elif rank == 0:
+                # Between logged steps: a line with no device sync (on a terminal every step, in a
+                # log every 30 s), so a slow first interval never looks like a hang.
+                el = time.time() - t_run
+                line.update(f"step {step:,}/{total:,}  {el:.0f}s  data wait {loader.data_wait:.1f}s  "
+                            f"ETA {fmt_duration((total - step) * el / max(1, step - started_step))}")
+            if cfg.eval_every and step % cfg.eval_every == 0 and len(eval_rows):
+                last_eval = run_eval()
+            if cfg.save_every and step % cfg.save_every == 0 and not stop.set:
+                save()
+            if epoch_done:
                 epoch, batch_in_epoch = epoch + 1, 0
-                if not cfg.eval_every and len(eval_rows):
+                if not cfg.eval_every and len(eval_rows) and step < total:
                     last_eval = run_eval()
-                continue
-            if batch_in_epoch >= loader.steps_per_epoch():
-                epoch, batch_in_epoch = epoch + 1, 0
+            if step >= total or stop.set:
+                break
     finally:
+        groups.close()  # stops the loader's prefetch thread now
         loader.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
@@ -488,16 +487,21 @@ class _Trackers:
             self.tb.close()
 
 
-def _grouped(it, n: int):
-    group = []
+def _epoch_groups(stream, n: int):
+    """((epoch, last batch index, batches in the epoch), n batches) from a loader stream; a step never
+    mixes epochs (an epoch's last batches that do not fill a step are skipped)."""
+    group: list = []
+    current = None
     try:
-        for b in it:
+        for (e, i, in_epoch), b in stream:
+            if e != current:
+                group, current = [], e
             group.append(b)
             if len(group) == n:
-                yield group
+                yield (e, i, in_epoch), group
                 group = []
     finally:
-        it.close()
+        stream.close()
 
 
 def _in_main_thread() -> bool:
