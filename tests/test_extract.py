@@ -196,6 +196,43 @@ def test_writer_processes_write_the_same_store(extracted, data_file, tmp_path):
     assert _shm_blocks() - before == set()
 
 
+def test_writer_processes_reuse_shared_memory(data_file, tmp_path, monkeypatch):
+    """Segments after the first few reuse shared-memory blocks (a fresh block faults in every page as
+    the collector writes it), with one segment in flight at a time: the store is still right."""
+    from multiprocessing import shared_memory
+
+    from dflash_pipeline.extract import procwriter
+
+    created: list[str] = []
+    real = shared_memory.SharedMemory
+
+    class Counting(real):
+        def __init__(self, name=None, create=False, size=0):
+            super().__init__(name=name, create=create, size=size)
+            if create:
+                created.append(self.name)
+
+    monkeypatch.setattr(procwriter.shared_memory, "SharedMemory", Counting)
+    before = _shm_blocks()
+    cfg = _cfg(tmp_path, data_file, writer_processes=1, inflight_segments=1, segment_tokens=150)
+    rec = run_extract(cfg)
+    assert rec["segments_this_run"] >= 4 and verify_store(cfg.out).ok
+    assert len(created) <= 2 * 4   # 4 arrays per segment; a larger later segment may need a new block
+    assert _shm_blocks() - before == set()
+
+    pool = procwriter.SharedBlockPool(keep=2)
+    a = pool.take(1000)
+    pool.give(a)
+    assert pool.take(900) is a                 # best fit from the free list
+    b = pool.take(5000)
+    assert b is not a and b.size >= 5000
+    pool.give(a)
+    pool.give(b)
+    pool.close()
+    with pytest.raises(FileNotFoundError):
+        real(name=b.name)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

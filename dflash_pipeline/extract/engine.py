@@ -25,7 +25,7 @@ import torch
 
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.plan import SegmentPlan
-from dflash_pipeline.extract.procwriter import BULK, ProcessWriter, SharedArrays, shm_free_bytes
+from dflash_pipeline.extract.procwriter import BULK, ProcessWriter, SharedArrays, SharedBlockPool, shm_free_bytes
 from dflash_pipeline.extract.target import TargetRunner
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
@@ -56,14 +56,14 @@ class Staging:
 class SegmentAssembly:
     """A segment's host arrays, filled batch by batch in plan order."""
 
-    def __init__(self, sp: SegmentPlan, L: int, H: int, K: int, codec, shared: bool = False):
+    def __init__(self, sp: SegmentPlan, L: int, H: int, K: int, codec, shared: SharedBlockPool | None = None):
         self.plan = sp
         lengths = np.array([len(x) for x in sp.input_ids], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         T = int(self.offsets[-1])
         # With writer processes the bulk arrays live in shared memory, which the writer attaches to.
-        self.shared = SharedArrays() if shared else None
-        empty = self.shared.empty if shared else (lambda _name, shape, dtype: np.empty(shape, dtype=dtype))
+        self.shared = SharedArrays(shared) if shared is not None else None
+        empty = self.shared.empty if shared is not None else (lambda _name, shape, dtype: np.empty(shape, dtype=dtype))
         self.hidden = empty("hidden_TLH", (T, L, H), codec.storage_dtype)
         self.scale = empty("hidden_scale_TL", (T, L), np.float32) if codec.has_scale else None
         self.topk_ids = empty("topk_ids_TK", (T, K), np.int32)
@@ -163,6 +163,8 @@ class Engine:
         n_proc = self._writer_processes()
         self.procs = ProcessWriter(writer.url, meta.to_dict(), n_proc, max(1, pool_threads() // n_proc)) \
             if n_proc > 0 else None
+        # Segments' shared memory is reused: each segment in flight holds 4 blocks at most.
+        self.shm_pool = SharedBlockPool(keep=4 * (cfg.inflight_segments + 1)) if self.procs is not None else None
         self.collector = threading.Thread(target=self._collect, name="dflash-collect", daemon=True)
         self.collector.start()
 
@@ -195,7 +197,7 @@ class Engine:
         while not self.slots.acquire(timeout=1.0):
             self._check()
         self.c["wait_write"] += time.time() - t0
-        asm = SegmentAssembly(sp, self.L, self.H, self.K, self.codec, shared=self.procs is not None)
+        asm = SegmentAssembly(sp, self.L, self.H, self.K, self.codec, shared=self.shm_pool)
         lengths = [len(x) for x in sp.input_ids]
         with torch.inference_mode():
             self._run_batches(asm, sp, lengths)
@@ -337,6 +339,8 @@ class Engine:
         self.pool.shutdown(wait=True)
         if self.procs is not None:
             self.procs.close()
+        if self.shm_pool is not None:
+            self.shm_pool.close()
 
     def queue_depths(self) -> dict[str, int]:
         return {"staging_busy": self.num_staging - self.free.qsize(), "staging": self.num_staging,

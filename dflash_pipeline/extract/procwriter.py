@@ -26,31 +26,79 @@ BULK = ("hidden_TLH", "hidden_scale_TL", "topk_ids_TK", "topk_logprobs_TK")
 _WRITER = None
 
 
-class SharedArrays:
-    """Numpy arrays backed by named shared-memory blocks, owned (and unlinked) by their creator."""
+class SharedBlockPool:
+    """Shared-memory blocks kept for reuse across segments. Writing into a fresh block faults in every
+    page (zeroed by the kernel): 0.3-1 GB/s in a VM, against 6 GB/s into a block already mapped, for
+    1.3 GB per Qwen3-8B segment on the collector thread. Blocks in use are bounded by the segments in
+    flight; free blocks beyond `keep` are unlinked, smallest first."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 16):
+        import threading
+
+        self.keep = keep
+        self.free: list[shared_memory.SharedMemory] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> shared_memory.SharedMemory:
+        with self.lock:
+            fits = [b for b in self.free if b.size >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.size)
+                self.free.remove(best)
+                return best
+        # A little headroom, so that the next, slightly larger segment reuses it too.
+        return shared_memory.SharedMemory(create=True, size=max(1, nbytes + nbytes // 8))
+
+    def give(self, block: shared_memory.SharedMemory) -> None:
+        with self.lock:
+            self.free.append(block)
+            self.free.sort(key=lambda b: b.size)
+            while len(self.free) > self.keep:
+                _unlink(self.free.pop(0))
+
+    def close(self) -> None:
+        with self.lock:
+            for b in self.free:
+                _unlink(b)
+            self.free.clear()
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    try:
+        shm.close()
+    except BufferError:  # a view is still alive somewhere: the unlink below still frees the name
+        pass
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class SharedArrays:
+    """Numpy arrays backed by named shared-memory blocks, owned (and unlinked) by their creator, or
+    taken from and given back to a `SharedBlockPool`."""
+
+    def __init__(self, pool: SharedBlockPool | None = None) -> None:
+        self.pool = pool
         self.blocks: dict[str, shared_memory.SharedMemory] = {}
         self.specs: dict[str, tuple[str, tuple[int, ...], str]] = {}
 
     def empty(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
-        shm = shared_memory.SharedMemory(create=True, size=max(1, int(np.prod(shape)) * dtype.itemsize))
+        nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
+        shm = self.pool.take(nbytes) if self.pool is not None else shared_memory.SharedMemory(create=True, size=nbytes)
         self.blocks[name] = shm
         self.specs[name] = (shm.name, tuple(int(x) for x in shape), dtype.str)
         return np.ndarray(shape, dtype=dtype, buffer=shm.buf)
 
     def release(self) -> None:
-        """Close and unlink every block; arrays made by `empty` must no longer be used."""
+        """Give every block back to the pool (or close and unlink it); arrays made by `empty` must no
+        longer be used."""
         for shm in self.blocks.values():
-            try:
-                shm.close()
-            except BufferError:  # a view is still alive somewhere: the unlink below still frees the name
-                pass
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
+            if self.pool is not None:
+                self.pool.give(shm)
+            else:
+                _unlink(shm)
         self.blocks.clear()
 
 
