@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import queue
 import threading
 import time
@@ -287,7 +288,11 @@ class _WorkerPool:
 
         ctx = mp.get_context("spawn")
         self.url = loader.reader.url
-        threads = max(1, available_cpus() // max(1, loader.num_workers))
+        # The node's cores are shared by every rank's workers (LOCAL_WORLD_SIZE: torchrun's, or ours),
+        # with one core per rank left for the thread that drives its GPU: 8 workers x 4 threads x 2
+        # ranks on 32 cores made the training loops wait for a core to launch their kernels.
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        threads = max(1, (available_cpus() - local) // max(1, loader.num_workers * local))
         self.task_q, self.out_q, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.procs = [ctx.Process(target=_worker_main, args=(self.url, loader.man_cols, loader.layers, loader.row_len,
                                                              loader.strict, self.task_q, self.out_q, self.stop,

@@ -158,7 +158,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
 
 def _spawn_entry(rank: int, cfg: TrainConfig, world: int, kind: str, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     results.put((rank, train_rank(cfg, rank, world, rank, kind)))
 
 
