@@ -55,8 +55,7 @@ def build_target(path: str, tokenizer_dir: str, shape: dict) -> None:
         if f.startswith("tokenizer") or f in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(os.path.join(tokenizer_dir, f), path)
     del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_gpu()
 
 
 def write_data(path: str, tokens: int, seed: int = 0) -> None:
@@ -111,11 +110,9 @@ def bare_forward(path: str, store: str, tokens_per_batch: int) -> float:
             base(input_ids=ids.to(DEVICE, non_blocking=True), attention_mask=mask.to(DEVICE, non_blocking=True),
                  use_cache=False)
             n += sum(lens)
-        _sync()
-        dt = time.perf_counter() - t
+        dt = _elapsed(t)
     del model, base
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_gpu()
     return n / dt
 
 
@@ -155,17 +152,26 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str) 
                         stages[name] += ev[k].elapsed_time(ev[k + 1]) / 1e3
             if not warm:
                 n += sum(lens)
-        _sync()
-        dt = time.perf_counter() - t
+        dt = _elapsed(t)
     del model, runner
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_gpu()
     return {"tok_per_s": n / dt, "seconds": dt, "stage_seconds": stages}
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _elapsed(t0: float) -> float:
+    """Seconds since t0, once the GPU has finished what was queued."""
+    _sync()
+    return time.perf_counter() - t0
+
+
+def _free_gpu() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
