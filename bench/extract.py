@@ -29,6 +29,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
 
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=False)
@@ -210,9 +213,7 @@ def main() -> None:
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                "gpus": args.gpus, "shape": shape, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
     def dump() -> None:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        save_json(args.json, results)
 
     baseline = None
     gpu_counts = [int(g) for g in args.gpus.split(",")]

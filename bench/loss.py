@@ -11,7 +11,6 @@ which is what this measures on a CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,6 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
 
 from dflash_pipeline.train.loss import fused_head_loss, naive_head_loss  # noqa: E402
 
@@ -68,9 +70,7 @@ def main() -> None:
            "kl": args.kl, "cap": args.cap, "fused_s": fused, "naive_s": naive, "speedup": naive / fused}
     print(f"{res['device']}: N={N} H={H} V={V} kl={args.kl} cap={args.cap}: fused {fused * 1e3:.0f} ms, "
           f"naive {naive * 1e3:.0f} ms -> {naive / fused:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(args.json, res)
 
 
 if __name__ == "__main__":

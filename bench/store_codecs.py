@@ -24,6 +24,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
 
 from dflash_pipeline.store.codecs import chunk_tokens, get_codec  # noqa: E402
 
@@ -187,9 +190,7 @@ def main() -> None:
                   f"{r['encode_MBps_1thread']:11.0f} {r[f'encode_MBps_{args.threads}threads']:11.0f} {r['decode_MBps_1thread']:11.0f}")
         else:
             print(f"{r['compressor']:52s} {r['bytes_per_token']:9.0f} {'':6s} write {r['write_MBps_of_raw_bf16']:.0f} MB/s of raw bf16")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(args.json, report)
 
 
 if __name__ == "__main__":

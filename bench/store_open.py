@@ -20,6 +20,9 @@ import time
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
 
 
 def main() -> None:
@@ -75,9 +78,7 @@ def main() -> None:
     print(json.dumps(res, indent=1))
     print(f"{n_segs:,} segments / {n_samples:,} samples: reader opens in {t_reader * 1e3:.0f} ms; "
           f"listing the commit markers alone takes {t_list * 1e3:.0f} ms ({t_list / t_reader:.1f}x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
 
 from dflash_pipeline.train.data import Batch  # noqa: E402
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights  # noqa: E402
@@ -212,9 +214,7 @@ def main() -> None:
             line += (f"; conventional {r['baseline_step_s'] * 1e3:.0f} ms, {r['baseline_peak_gib']:.1f} GiB "
                      f"-> {r['speedup_vs_baseline']:.2f}x")
         print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,12 @@
+"""What the benchmark scripts share."""
+
+from __future__ import annotations
+
+import json
+
+
+def save_json(path: str | None, obj) -> None:
+    """Write a result to `path` (the script's --json), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
