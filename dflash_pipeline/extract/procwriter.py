@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context, shared_memory
 from typing import Any
@@ -33,8 +34,6 @@ class SharedBlockPool:
     flight; free blocks beyond `keep` are unlinked, smallest first."""
 
     def __init__(self, keep: int = 16):
-        import threading
-
         self.keep = keep
         self.free: list[shared_memory.SharedMemory] = []
         self.lock = threading.Lock()

@@ -216,8 +216,7 @@ class TargetRunner:
             # top-k of the log-softmax = top-k of the logits minus their logsumexp: one pass less over
             # [chunk, vocab] than materialising the log-softmax. Without scaling, the top-k runs on the
             # head's own output (bf16 -> fp32 is exact: same ranks and values, half the bytes to read).
-            top = (raw if logits.dtype != raw.dtype and self.logit_scale is None and not self.softcap
-                   else logits).topk(self.topk, dim=-1)
+            top = (raw if self.logit_scale is None and not self.softcap else logits).topk(self.topk, dim=-1)
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             ids.append(top.indices.to(torch.int32))
             lps.append((top.values.float() - lse).to(torch.float16))

@@ -375,11 +375,14 @@ class StreamingLoader:
         plans ahead while the trainer asks for epoch 0's step count)."""
         with self._plan_lock:
             plan = self._plans.get(epoch)
-            if plan is None:
-                plan = self._plans[epoch] = self._plan(epoch)
-                for k in sorted(k for k in self._plans if k not in (0, epoch))[:-2]:
-                    del self._plans[k]
+        if plan is not None:
             return plan
+        plan = self._plan(epoch)  # outside the lock: the trainer's lookups never wait on a planning
+        with self._plan_lock:
+            plan = self._plans.setdefault(epoch, plan)
+            for k in sorted(k for k in self._plans if k not in (0, epoch))[:-2]:
+                del self._plans[k]
+        return plan
 
     def _plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(self.man, ~self.holdout, epoch=epoch, rank=self.rank, world=self.world, seed=self.seed,
@@ -456,10 +459,10 @@ class StreamingLoader:
         def later_epochs():
             # Windows of the epochs that follow, as far as the bound lets the workers run ahead (on a
             # small store several epochs: one epoch's windows may take longer to build than to train).
-            # Planned apart from `epoch_plan`, whose one kept plan is the current epoch's.
+            # Through `epoch_plan`'s cache: the stream asks for the same plans when those epochs start.
             e = epoch + 1
             while True:
-                ws = self._plan(e).windows
+                ws = self.epoch_plan(e).windows
                 if not ws:
                     return
                 for w in ws:
