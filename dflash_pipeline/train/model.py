@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_pipeline.train.kernels import EAGER, Kernels, kernels, out_dtype_for
 from dflash_pipeline.train.masks import MaskLayout, attend, build_mask, choose_backend, dense_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -162,11 +163,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, k: Kernels = EAGER) -> torch.Tensor:
+        return k.rms_norm(x, self.weight, self.eps, out_dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -175,16 +173,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x_RhLD: torch.Tensor, cos_RLD: torch.Tensor, sin_RLD: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_RLD.unsqueeze(1), sin_RLD.unsqueeze(1)
-    return x_RhLD * cos + _rotate_half(x_RhLD) * sin
 
 
 class DrafterAttention(nn.Module):
@@ -200,26 +188,27 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def project_kv(self, x_RLH: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, x_RLH: torch.Tensor, rope, k: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (k_norm, RoPE) and values [R, h_kv, L, D] of hidden states at their positions."""
         R, L, _ = x_RLH.shape
-        k = self.k_norm(self.k_proj(x_RLH).view(R, L, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        key = k.norm_rope(self.k_proj(x_RLH).view(R, L, self.num_kv_heads, self.head_dim), self.k_norm.weight,
+                          self.k_norm.eps, *rope, out_dtype_for(x_RLH.device))
         v = self.v_proj(x_RLH).view(R, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, *rope), v
+        return key, v
 
-    def project_q(self, x_RQH: torch.Tensor, rope) -> torch.Tensor:
+    def project_q(self, x_RQH: torch.Tensor, rope, k: Kernels = EAGER) -> torch.Tensor:
         R, Q, _ = x_RQH.shape
-        q = self.q_norm(self.q_proj(x_RQH).view(R, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        return apply_rope(q, *rope)
+        return k.norm_rope(self.q_proj(x_RQH).view(R, Q, self.num_heads, self.head_dim), self.q_norm.weight,
+                           self.q_norm.eps, *rope, out_dtype_for(x_RQH.device))
 
-    def forward(self, x_RQH, ctx_kv, rope_q, mask) -> torch.Tensor:
+    def forward(self, x_RQH, ctx_kv, rope_q, mask, k: Kernels = EAGER) -> torch.Tensor:
         """Block queries over [context | block] keys; ctx_kv = (k, v) of the context, already roped."""
         R, Q, _ = x_RQH.shape
-        q = self.project_q(x_RQH, rope_q)
-        k_blk, v_blk = self.project_kv(x_RQH, rope_q)
-        k = torch.cat([ctx_kv[0], k_blk], dim=2)
-        v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = attend(q, k, v, mask, self.scale)
+        q = self.project_q(x_RQH, rope_q, k)
+        k_blk, v_blk = self.project_kv(x_RQH, rope_q, k)
+        keys = torch.cat([ctx_kv[0], k_blk], dim=2)
+        values = torch.cat([ctx_kv[1], v_blk], dim=2)
+        out = attend(q, keys, values, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.num_heads * self.head_dim))
 
 
@@ -252,10 +241,18 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, h_RQH, ctx_RSH, rope_q, rope_ctx, mask) -> torch.Tensor:
-        ctx_kv = self.self_attn.project_kv(ctx_RSH, rope_ctx)
-        h_RQH = h_RQH + self.self_attn(self.input_layernorm(h_RQH), ctx_kv, rope_q, mask)
-        return h_RQH + self.mlp(self.post_attention_layernorm(h_RQH))
+    def forward(self, h_RQH, ctx_RSH, rope_q, rope_ctx, mask, compiled: bool = False) -> torch.Tensor:
+        k = kernels(compiled)
+        return self.block(h_RQH, self.self_attn.project_kv(ctx_RSH, rope_ctx, k), rope_q, mask, k)
+
+    def block(self, h_RQH, ctx_kv, rope_q, mask, k: Kernels = EAGER) -> torch.Tensor:
+        """The layer over block tokens, given the context's keys and values."""
+        out_dtype = out_dtype_for(h_RQH.device)
+        x_RQH = self.input_layernorm(h_RQH, out_dtype, k)
+        h_RQH, x_RQH = k.add_rms_norm(h_RQH, self.self_attn(x_RQH, ctx_kv, rope_q, mask, k),
+                                      self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                                      out_dtype)
+        return h_RQH + self.mlp(x_RQH)
 
 
 class DrafterCache:
@@ -298,8 +295,12 @@ class DFlashDrafter(nn.Module):
         # The first `checkpoint_layers` layers recompute their activations in backward: each one
         # checkpointed trades a layer's activations (7.7 GiB in the memory case) for its forward again.
         self.checkpoint_layers = 0
+        # Elementwise chains (norms, residual adds, RoPE) as compiled fused kernels (kernels.py) in the
+        # training forward: None = on CUDA, False = eager everywhere (same numbers, ~150 ms more per
+        # step at the 8B shape).
+        self.compile_kernels: bool | None = None
 
-    def fuse(self, features_RSF: torch.Tensor) -> torch.Tensor:
+    def fuse(self, features_RSF: torch.Tensor, k: Kernels = EAGER) -> torch.Tensor:
         """Concatenated target features -> context hidden states [R, S, H]."""
         # Under autocast the matmul runs in bf16 whatever the input's dtype: casting the features to the
         # fp32 master weights' dtype first would only write and re-read an fp32 copy (1 GB per step at
@@ -307,7 +308,7 @@ class DFlashDrafter(nn.Module):
         x = features_RSF
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(x))
+        return self.hidden_norm(self.fc(x), out_dtype_for(x.device), k)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -340,7 +341,9 @@ class DFlashDrafter(nn.Module):
         """
         cfg = self.config
         dtype = self.fc.weight.dtype
-        ctx_RSH = self.fuse(features_RSF)
+        compiled = self.compile_kernels if self.compile_kernels is not None else features_RSF.device.type == "cuda"
+        k = kernels(compiled)
+        ctx_RSH = self.fuse(features_RSF, k)
         h_RQH = block_embeds_RQH.to(dtype)
         rope_ctx = self._rope(ctx_pos_RS, dtype)
         rope_q = self._rope(block_pos_RQ, dtype)
@@ -355,10 +358,11 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             mask = masks[cfg.layer_mask_kind(i)]
             if i < self.checkpoint_layers and self.training and torch.is_grad_enabled():
-                h_RQH = checkpoint(layer, h_RQH, ctx_RSH, rope_q, rope_ctx, mask, use_reentrant=False)
+                # Eager inside the checkpoint: compiled autograd functions do not run under its hooks.
+                h_RQH = checkpoint(layer, h_RQH, ctx_RSH, rope_q, rope_ctx, mask, False, use_reentrant=False)
             else:
-                h_RQH = layer(h_RQH, ctx_RSH, rope_q, rope_ctx, mask)
-        return self.norm(h_RQH)
+                h_RQH = layer(h_RQH, ctx_RSH, rope_q, rope_ctx, mask, compiled)
+        return self.norm(h_RQH, out_dtype_for(h_RQH.device), k)
 
     def new_cache(self) -> DrafterCache:
         return DrafterCache(self.config.num_layers)
@@ -393,10 +397,8 @@ class DFlashDrafter(nn.Module):
             kind = cfg.layer_mask_kind(i)
             if kind not in masks:
                 masks[kind] = dense_mask(layout, *kind)
-            ctx_kv = cache.append(i, *layer.self_attn.project_kv(ctx, rope_ctx))
-            h = h + layer.self_attn(layer.input_layernorm(h), ctx_kv, rope_q, masks[kind])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            h = layer.block(h, cache.append(i, *layer.self_attn.project_kv(ctx, rope_ctx)), rope_q, masks[kind])
+        return self.norm(h, out_dtype_for(h.device))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
