@@ -104,13 +104,17 @@ def profile_table(fn, path: str, steps: int = 2) -> None:
 
 
 def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
-               head_dim=128, checkpoint_layers=0, profile: str | None = None):
+               head_dim=128, checkpoint_layers=0, profile: str | None = None, compiled: bool = True):
+    import dflash_pipeline.train.loss as loss_mod
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loss_mod.COMPILE = "cuda" if compiled else "never"
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
                         target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1e6)
     model = DFlashDrafter(cfg)
     model.checkpoint_layers = checkpoint_layers
+    model.compile_kernels = None if compiled else False
     init_drafter_weights(model)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -193,6 +197,12 @@ def main() -> None:
         out["results"].append(bench_case("qwen3-8b drafter, 4x3072, 512 anchors, B=16", H=4096, I=12288, heads=32,
                                          kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps,
                                          profile=args.profile))
+        # The same step with the elementwise chains and the loss's softmax left to eager PyTorch: what
+        # the compiled kernels are worth, measured in the same run.
+        out["results"].append(bench_case("the same, eager elementwise (no compiled kernels)", H=4096, I=12288,
+                                         heads=32, kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False,
+                                         steps=args.steps, conventional=False, compiled=False))
+        out["results"][-1]["compiled_speedup"] = out["results"][-1]["step_s"] / out["results"][-2]["step_s"]
     if args.only in (None, "memory"):
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
@@ -210,6 +220,8 @@ def main() -> None:
                 f"{r['block_tok_s']:,.0f} block tok/s, MFU {r['mfu']:.1%}, peak {r['peak_gib']:.1f} GiB")
         if r.get("stage_s") and all(v is not None for v in r["stage_s"].values()):
             line += " [" + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["stage_s"].items()) + "]"
+        if "compiled_speedup" in r:
+            line += f"; compiled kernels are {r['compiled_speedup']:.2f}x faster"
         if "baseline_step_s" in r:
             line += (f"; conventional {r['baseline_step_s'] * 1e3:.0f} ms, {r['baseline_peak_gib']:.1f} GiB "
                      f"-> {r['speedup_vs_baseline']:.2f}x")

@@ -60,6 +60,39 @@ def test_fused_equals_naive_bf16(kl, cap, chunk):
     torch.testing.assert_close(gf, gn, atol=2e-3, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype,kl,cap,chunk", [(torch.float32, 0.15, 0.1, 16), (torch.bfloat16, 0.0, 0.0, 37),
+                                                 (torch.float32, 1.0, 0.0, 37)])
+def test_compiled_chunk_terms_equal_naive(monkeypatch, dtype, kl, cap, chunk):
+    """The chunk math compiled into fused kernels (the CUDA path), compiled here on the CPU."""
+    import dflash_pipeline.train.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "COMPILE", "always")
+    (f, gf), (n, gn) = _both(dtype, kl, cap, chunk)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    for a, b in zip(f[:4], n[:4]):
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.equal(f.correct_N, n.correct_N)
+    torch.testing.assert_close(gf, gn, **(tol if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kl,cap", [(0.0, 0.0), (0.15, 0.1)])
+def test_fused_equals_naive_on_cuda(kl, cap):
+    """On CUDA the fused loss takes the compiled path by default; against the naive loss in fp32 and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, head, labels, weights, t_ids, t_lp = (t.cuda() for t in _inputs(dtype, 1, many_correct=True))
+        out = []
+        for fn, kw in ((fused_head_loss, dict(chunk_size=16)), (naive_head_loss, {})):
+            h = hidden.clone().requires_grad_(True)
+            res = fn(h, head, labels, weights, t_ids, t_lp, kl_weight=kl, cap_weight=cap, **kw)
+            res.loss.backward()
+            out.append((res, h.grad))
+        (f, gf), (n, gn) = out
+        tol = dict(atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(f.loss, n.loss, **tol)
+        torch.testing.assert_close(gf.float(), gn.float(), **(tol if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)))
+
+
 def test_kl_term_is_forward_kl_to_renormalised_topk():
     hidden, head, labels, weights, t_ids, t_lp = _inputs()
     res = fused_head_loss(hidden, head, labels, weights, t_ids, t_lp, kl_weight=0.5)

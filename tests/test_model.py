@@ -254,6 +254,29 @@ def test_compiled_kernels_give_the_eager_outputs_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_kernels_under_autocast_on_cuda_are_as_accurate_as_eager():
+    """The training configuration (CUDA, bf16 autocast, flex attention, compiled chains) against an fp32
+    reference: its error is no larger than the eager bf16 path's, for outputs and gradients."""
+    batch, _ = packed_batch()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    valid = batch["block_id_RQ"] >= 0
+    probe = torch.randn(batch["block_embeds_RQH"].shape, generator=torch.Generator().manual_seed(0)).cuda()
+    runs = {}
+    for name, compiled, autocast in (("fp32", False, False), ("eager", False, True), ("compiled", True, True)):
+        model = random_drafter(tiny_config("sliding", head_dim=16)).cuda().train()
+        model.compile_kernels = compiled
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(**batch)
+        (out.float() * probe)[valid].sum().backward()
+        runs[name] = (out.float().detach()[valid], torch.cat([p.grad.flatten() for p in model.parameters()]))
+    for i in range(2):
+        ref = runs["fp32"][i]
+        err_eager = (runs["eager"][i] - ref).norm() / ref.norm()
+        err_compiled = (runs["compiled"][i] - ref).norm() / ref.norm()
+        assert err_compiled <= 1.5 * err_eager + 1e-3, (i, err_compiled, err_eager)
+
+
 # --- config and helpers --------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ Shape legend: N labelled positions, C positions of one chunk, H hidden, V vocabu
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -64,12 +65,87 @@ def _teacher_probs(teacher_logprobs_CK: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(q, nan=0.0)
 
 
+def _softmax_terms(x_CV, labels_C, scale_C, ce_coef: float, cap_weight: float, need_grad: bool):
+    """Everything the loss needs from a chunk's logits x, as one function for torch.compile.
+
+    Returns (lse, x at the label, argmax, entropy or None, gradient or None). The gradient, in x's dtype,
+    is d/dx of ce_coef*CE + cap_weight*CAP (CAP: the entropy where argmax == label) times scale_C:
+    p (1 - cap m (log p + ent)) scale - ce_coef onehot(label) scale. Compiled (CUDA), the reductions and
+    this expression read x a few times and write only the gradient, where the eager path below makes
+    several fp32 passes over [C, V].
+    """
+    acc = _acc_dtype(x_CV)
+    xf = x_CV.to(acc)
+    m_C1 = xf.amax(-1, keepdim=True)
+    arg_C = x_CV.argmax(-1)
+    e_CV = (xf - m_C1).exp()
+    s_C1 = e_CV.sum(-1, keepdim=True)
+    lse_C1 = m_C1 + s_C1.log()
+    x_lab_C = xf.gather(1, labels_C.clamp_min(0)[:, None])[:, 0]
+    ent_C1 = lse_C1 - (e_CV * xf).sum(-1, keepdim=True) / s_C1 if cap_weight > 0 else None
+    if not need_grad:
+        return lse_C1, x_lab_C, arg_C, ent_C1, None
+    g_CV = e_CV * (scale_C[:, None] / s_C1)
+    if cap_weight > 0:
+        hit_C1 = ((arg_C == labels_C) & (labels_C >= 0)).to(acc)[:, None]
+        g_CV = g_CV * (1.0 - cap_weight * hit_C1 * (xf - lse_C1 + ent_C1))
+    vocab_1V = torch.arange(x_CV.shape[1], device=x_CV.device)[None]
+    g_CV = g_CV - torch.where(vocab_1V == labels_C[:, None], (ce_coef * scale_C)[:, None], 0.0)
+    return lse_C1, x_lab_C, arg_C, ent_C1, g_CV.to(x_CV.dtype)
+
+
+# Where the compiled `_softmax_terms` runs: "cuda" (default; on the CPU the eager chunk code below is
+# faster than a compiled kernel and needs no compiler), "always" (tests: compiled on the CPU too), "never".
+COMPILE = "cuda"
+
+
+@functools.cache
+def _compiled_terms():
+    return torch.compile(_softmax_terms, dynamic=None, fullgraph=True)
+
+
+def _terms_fn(device: torch.device):
+    if COMPILE == "always" or (COMPILE == "cuda" and device.type == "cuda"):
+        return _compiled_terms()
+    return None
+
+
+def _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight,
+                    inv_norm, need_grad):
+    acc = _acc_dtype(h_CH)
+    w_C = w_C.to(acc)
+    x_CV = h_CH @ head_weight_VH.T
+    scale_C = w_C * inv_norm
+    lse_C1, x_lab_C, arg_C, ent_C1, g_CV = fn(x_CV, labels_C, scale_C, 1.0 - kl_weight, cap_weight, need_grad)
+    correct_C = (arg_C == labels_C) & (labels_C >= 0)
+    sums = torch.zeros(3, dtype=acc, device=h_CH.device)
+    sums[0] = (w_C * (lse_C1[:, 0] - x_lab_C)).sum()
+    if ids_CK is not None:
+        ids_CK = ids_CK.long()
+        q_CK = _teacher_probs(teacher_lp_CK).to(acc)
+        kl_C = (torch.xlogy(q_CK, q_CK) - q_CK * (x_CV.gather(1, ids_CK).to(acc) - lse_C1)).sum(-1)
+        sums[1] = (w_C * kl_C).sum()
+    if cap_weight > 0:
+        sums[2] = (w_C * correct_C.to(acc) * ent_C1[:, 0]).sum()
+    del x_CV
+    if not need_grad:
+        return sums, correct_C, None
+    if ids_CK is not None and kl_weight > 0:
+        # The KL part of the gradient lives on the K teacher ids only: -a q scale, added in place.
+        g_CV.scatter_add_(1, ids_CK, q_CK.mul_((-kl_weight * scale_C)[:, None]).to(g_CV.dtype))
+    return sums, correct_C, g_CV @ head_weight_VH
+
+
 def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight, inv_norm, need_grad):
     """Weighted CE/KL/CAP sums, argmax hits and d loss / d h of one chunk, from one head matmul.
 
     A function of its own so that the chunk's [C, V] buffers are freed on return, before the next
     chunk's matmul.
     """
+    fn = _terms_fn(h_CH.device)
+    if fn is not None:
+        return _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight,
+                               cap_weight, inv_norm, need_grad)
     acc = _acc_dtype(h_CH)
     w_C = w_C.to(acc)
     safe_labels_C1 = labels_C.clamp_min(0)[:, None]
