@@ -4,14 +4,15 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval codecs train-step disk   (default: all but disk, in that order)
+#   PART: cuda-tests extract train-store eval codecs train-step replica disk
+#         (default: all but replica and disk, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
 #         WRITER_PROCS (extract: writer processes; 0 = threads; default: extract's own)
 #         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
-#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE: seconds per part
+#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
@@ -51,7 +52,10 @@ part() {  # part NAME SECONDS CMD...
 for p in $parts; do
   case $p in
   cuda-tests)
-    part cuda-tests 90 "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
+    part cuda-tests "${LIMIT_CUDA_TESTS:-200}" "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py ;;
+  replica)
+    # --gpus-per-replica 2 against the whole target on one GPU: the same store (needs two GPUs).
+    part replica "${LIMIT_REPLICA:-200}" "$py" bench/replica.py --tokenizer "$tok" --work "$work" --json "$out/replica.json" "${smoke[@]}" ;;
   extract)
     part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
       --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
