@@ -194,6 +194,8 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8")
     ap.add_argument("--gpus", default="1", help="GPU counts to run extraction on, e.g. 1,2 (speedup reported)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--extra-batch-tokens", type=int, default=None,
+                    help="also run one GPU with batches of this many tokens, against forwards over the same batches")
     ap.add_argument("--writer-processes", type=int, default=None,
                     help="as `dflash extract --writer-processes` (default: its default); 0 for threads")
     ap.add_argument("--store-dir", default=None, help="where the stores go (default: --work); e.g. /dev/shm to "
@@ -225,28 +227,29 @@ def main() -> None:
 
     baseline = None
     gpu_counts = [int(g) for g in args.gpus.split(",")]
+
+    def extract_run(store: str, codec: str, n: int, tokens_per_batch: int) -> dict:
+        shutil.rmtree(store, ignore_errors=True)
+        cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
+                            tokens_per_batch=tokens_per_batch, segment_tokens=max(32768, tokens_per_batch),
+                            gpus=str(n), dtype="bf16" if DEVICE == "cuda" else "fp32", tokenize_workers=1,
+                            device="cuda" if DEVICE == "cuda" else "cpu", writer_processes=args.writer_processes,
+                            num_procs=n if DEVICE == "cpu" else None)
+        rec = run_extract(cfg)
+        ws = [w for w in rec["workers"] if w.get("tokens")]
+        return {"codec": codec, "gpus": n, "tokens": rec["tokens_this_run"], "tokens_per_batch": tokens_per_batch,
+                "tok_per_s": sum(w["tokens"] for w in ws) / max(w["seconds"] for w in ws),
+                "steady_tok_per_s": sum(w.get("steady_tokens_per_second", 0.0) for w in ws),
+                "bytes_per_token": rec["store"]["bytes_per_token"], "compression_ratio": rec["store"]["compression_ratio"],
+                "codec_rel_rmse": rec["store"]["codec_rel_rmse"], "workers": ws, "store_dir": args.store_dir or args.work}
+
     for codec in args.codecs.split(","):
         store = os.path.join(args.store_dir or args.work, f"store-{codec}")
         for n in gpu_counts:
-            shutil.rmtree(store, ignore_errors=True)
-            cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
-                                tokens_per_batch=args.tokens_per_batch, segment_tokens=32768, gpus=str(n),
-                                dtype="bf16" if DEVICE == "cuda" else "fp32", tokenize_workers=1,
-                                device="cuda" if DEVICE == "cuda" else "cpu", writer_processes=args.writer_processes,
-                                num_procs=n if DEVICE == "cpu" else None)
-            rec = run_extract(cfg)
-            ws = [w for w in rec["workers"] if w.get("tokens")]
-            results["runs"][f"{codec}-{n}gpu"] = {
-                "codec": codec, "gpus": n, "tokens": rec["tokens_this_run"],
-                # End to end: model loaded to the last segment committed, slowest process.
-                "tok_per_s": sum(w["tokens"] for w in ws) / max(w["seconds"] for w in ws),
-                # Steady state: after each process's first segment until its GPU finished (warm-up and
-                # the final write left out; what a run of hours sees).
-                "steady_tok_per_s": sum(w.get("steady_tokens_per_second", 0.0) for w in ws),
-                "bytes_per_token": rec["store"]["bytes_per_token"],
-                "compression_ratio": rec["store"]["compression_ratio"],
-                "codec_rel_rmse": rec["store"]["codec_rel_rmse"],
-                "workers": ws, "store_dir": args.store_dir or args.work}
+            # End to end (tok_per_s): model loaded to the last segment committed, slowest process.
+            # Steady state: after each process's first segment until its GPU finished (warm-up and the
+            # final write left out; what a run of hours sees).
+            results["runs"][f"{codec}-{n}gpu"] = extract_run(store, codec, n, args.tokens_per_batch)
             dump()  # what is measured so far survives a time limit
             if baseline is None:
                 baseline = bare_forward(target, store, args.tokens_per_batch)
@@ -258,6 +261,21 @@ def main() -> None:
                 dump()
         if not args.keep:
             shutil.rmtree(store, ignore_errors=True)
+    if args.extra_batch_tokens:
+        # One more one-GPU run with larger batches (segments at least as large), against the bare and
+        # whole forwards over its own batches: what the per-batch fixed costs weigh.
+        tpb = args.extra_batch_tokens
+        codec = args.codecs.split(",")[0]
+        store = os.path.join(args.store_dir or args.work, f"store-{codec}-tpb{tpb}")
+        r = extract_run(store, codec, 1, tpb)
+        results["extra_batch_run"] = r
+        dump()
+        r["bare_forward_tok_per_s"] = bare_forward(target, store, tpb)
+        r["full_forward_tok_per_s"] = bare_forward(target, store, tpb, True)
+        r["steady_ratio_vs_bare_forward"] = r["steady_tok_per_s"] / r["bare_forward_tok_per_s"]
+        r["steady_ratio_vs_full_forward"] = r["steady_tok_per_s"] / r["full_forward_tok_per_s"]
+        dump()
+        shutil.rmtree(store, ignore_errors=True)
     full = results["full_forward_tok_per_s_1gpu"]
     print(f"\n{results['gpu']}: bare forward (1 GPU, no LM head) {baseline:,.0f} tok/s; the causal LM's whole "
           f"forward (logits for every token) {full:,.0f} tok/s")
@@ -284,7 +302,16 @@ def main() -> None:
         print(f"    rank 0: {w0['seconds']:.1f}s (first segment {w0.get('first_segment_s', 0):.1f}s, drain "
               f"{w0.get('drain_s', 0):.1f}s), GPU busy {w0.get('gpu_busy_s') or 0:.1f}s, blocked on staging "
               f"{w0['wait_staging_s']:.1f}s, on writes {w0['wait_write_s']:.1f}s; GPU loop host time (s): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in w0.get("host_loop_s", {}).items()))
+              + ", ".join(f"{k} {v:.2f}" for k, v in w0.get("host_loop_s", {}).items())
+              + "; GPU idle between batches (s): " + ", ".join(f"{k} {v:.2f}" for k, v in (w0.get("gpu_gap_s") or {}).items()))
+    r = results.get("extra_batch_run")
+    if r and "steady_ratio_vs_full_forward" in r:
+        w0 = r["workers"][0]
+        print(f"  with {r['tokens_per_batch']:,}-token batches: bare forward {r['bare_forward_tok_per_s']:,.0f}, whole "
+              f"forward {r['full_forward_tok_per_s']:,.0f}, dflash extract steady {r['steady_tok_per_s']:,.0f} tok/s = "
+              f"{r['steady_ratio_vs_bare_forward']:.3f} x bare, {r['steady_ratio_vs_full_forward']:.3f} x whole; "
+              "GPU idle between batches (s): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in (w0.get("gpu_gap_s") or {}).items()))
     dump()
 
 

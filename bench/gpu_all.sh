@@ -4,15 +4,16 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval codecs train-step replica disk
-#         (default: all but replica and disk, in that order)
+#   PART: cuda-tests extract train-store eval codecs train-step replica ddp disk
+#         (default: all but replica, ddp and disk, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
 #         WRITER_PROCS (extract: writer processes; 0 = threads; default: extract's own)
 #         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
+#         EXTRA_BATCH_TOKENS (extract: one more 1-GPU run with batches of this size)  DDP_GPUS (default 2)
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
-#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA: seconds per part
+#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
@@ -58,7 +59,11 @@ for p in $parts; do
     part replica "${LIMIT_REPLICA:-200}" "$py" bench/replica.py --tokenizer "$tok" --work "$work" --json "$out/replica.json" "${smoke[@]}" ;;
   extract)
     part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
-      --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
+      --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} \
+      ${EXTRA_BATCH_TOKENS:+--extra-batch-tokens "$EXTRA_BATCH_TOKENS"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
+  ddp)
+    # The training step on N GPUs (DDP) over one GPU, for several all-reduce bucket sizes.
+    part ddp "${LIMIT_DDP:-240}" "$py" bench/ddp.py --gpus "${DDP_GPUS:-2}" --json "$out/ddp.json" "${smoke[@]}" ;;
   train-store)
     # Training from the store the extraction benchmark wrote: data-wait fraction, the CUDA training path;
     # once per GPU count.

@@ -206,6 +206,7 @@ def train(
     strict: bool = typer.Option(False, "--strict", help="Fail on a corrupt store segment instead of skipping it."),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute each drafter layer in backward: much less activation memory for about a third more compute (see BENCHMARKS.md, memory case)."),
     checkpoint_layers: int = typer.Option(0, "--checkpoint-layers", help="Recompute only the first N drafter layers in backward: a layer's activations saved per layer, for its forward again (between none and --activation-checkpointing)."),
+    ddp_bucket_mb: float = typer.Option(25.0, "--ddp-bucket-mb", help="Size of DDP's gradient all-reduce buckets (several GPUs; see BENCHMARKS.md)."),
     seed: int = typer.Option(0, "--seed"),
     num_workers: int = typer.Option(2, "--num-workers", help="Data loader worker processes per GPU."),
     wandb: Optional[str] = typer.Option(None, "--wandb", help="Also log to this Weights & Biases project."),
@@ -225,7 +226,7 @@ def train(
                   grad_clip=grad_clip, mask_token_id=mask_token_id, ema=ema, gpus=gpus, eval_fraction=eval_fraction, eval_every=eval_every,
                   log_every=log_every, save_every=save_every, resume=resume, stop_after=stop_after, strict=strict,
                   activation_checkpointing=activation_checkpointing, checkpoint_layers=checkpoint_layers,
-                  seed=seed, num_workers=num_workers, wandb=wandb, tensorboard=tensorboard, device=device,
+                  ddp_bucket_mb=ddp_bucket_mb, seed=seed, num_workers=num_workers, wandb=wandb, tensorboard=tensorboard, device=device,
                   quiet=quiet)
     from dflash_pipeline.train.trainer import run_train
 

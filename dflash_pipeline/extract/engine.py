@@ -152,6 +152,10 @@ class Engine:
         # says whether the GPU was kept busy. Resolved lazily, a few batches behind, to avoid syncs.
         self.gpu_events: list = []
         self.gpu_busy_s = 0.0
+        # GPU idle between consecutive batches (end of one to start of the next, on the compute stream),
+        # split by whether the next batch opens a segment: says where a pipeline stall sits.
+        self.gpu_gap_s = {"within_segment": 0.0, "segment_start": 0.0}
+        self._last_end_event = None
         # Where the GPU loop's own (host) time goes: building inputs, launching the target's forward,
         # launching encode/statistics, blocked on a staging buffer, blocked on an event. When launches
         # take as long as the GPU work, the host is the limit (e.g. another thread holding the GIL).
@@ -206,7 +210,7 @@ class Engine:
 
     def _run_batches(self, asm: SegmentAssembly, sp: SegmentPlan, lengths: list[int]) -> None:
         h = self.host_s
-        for batch in make_batches(lengths, self.cfg.tokens_per_batch):
+        for j, batch in enumerate(make_batches(lengths, self.cfg.tokens_per_batch)):
             t0 = time.perf_counter()
             lens = [lengths[i] for i in batch]
             S = max(lens)
@@ -225,7 +229,7 @@ class Engine:
                                  enc.err_sq_L, enc.ref_sq_L, enc.max_abs_err_L])
             if self.cuda:
                 ev[1].record()
-                self.gpu_events.append(ev)
+                self.gpu_events.append((*ev, j == 0))
             t3 = time.perf_counter()
             self._transfer(asm, batch, sum(lens), enc, out, small)
             t4 = time.perf_counter()
@@ -350,9 +354,13 @@ class Engine:
 
     def _resolve_gpu_time(self, keep: int) -> None:
         while len(self.gpu_events) > keep:
-            a, b = self.gpu_events.pop(0)
+            a, b, opens_segment = self.gpu_events.pop(0)
             b.synchronize()
             self.gpu_busy_s += a.elapsed_time(b) / 1e3
+            if self._last_end_event is not None:
+                self.gpu_gap_s["segment_start" if opens_segment else "within_segment"] += \
+                    self._last_end_event.elapsed_time(a) / 1e3
+            self._last_end_event = b
 
     def summary(self) -> dict[str, Any]:
         self._resolve_gpu_time(0)
@@ -362,7 +370,7 @@ class Engine:
                "bytes": self.c["bytes"], "tokens_per_second": self.c["tokens"] / elapsed if elapsed else 0.0,
                "wait_staging_s": self.c["wait_staging"], "wait_write_s": self.c["wait_write"],
                "gpu_busy_s": self.gpu_busy_s if self.cuda else None,
-               "host_loop_s": dict(self.host_s)}
+               "host_loop_s": dict(self.host_s), "gpu_gap_s": dict(self.gpu_gap_s) if self.cuda else None}
         if self.t_gpu_done is not None and self.marks:
             # Steady state: from the end of the first segment's launches to the GPU finishing the last
             # batch. Tokens still queued at the first mark count on neither side of it, which biases

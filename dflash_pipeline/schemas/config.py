@@ -105,6 +105,7 @@ class TrainConfig:
     strict: bool = False
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
     checkpoint_layers: int = 0              # recompute only the first N layers (between none and all)
+    ddp_bucket_mb: float = 25.0             # DDP all-reduce bucket size (PyTorch's default: 25 MB)
     seed: int = 0
     num_workers: int = 2
     wandb: str | None = None
@@ -140,6 +141,8 @@ class TrainConfig:
             raise ValueError("--block-size must be >= 2")
         if self.checkpoint_layers < 0:
             raise ValueError("--checkpoint-layers must be >= 0")
+        if self.ddp_bucket_mb <= 0:
+            raise ValueError("--ddp-bucket-mb must be > 0")
         if self.gamma is None and self.block_size not in (8, 10, 16):
             raise ValueError(f"--gamma: no published loss decay for block size {self.block_size} "
                              "(7 for 16, 5 for 10, 4 for 8); pass --gamma")

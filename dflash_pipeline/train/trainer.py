@@ -202,7 +202,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy into them each step,
     # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if kind == "cuda" else None,
-                                                    gradient_as_bucket_view=True) if world > 1 else model
+                                                    gradient_as_bucket_view=True,
+                                                    bucket_cap_mb=cfg.ddp_bucket_mb) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=kind == "cuda")
     loader = StreamingLoader(reader, layers=dcfg.target_layer_ids, rank=rank, world=world, seed=cfg.seed,
@@ -314,7 +315,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
             if step % cfg.log_every == 0 or step == total or stop.set:
                 rec = acc.reduce(world, dist if world > 1 else None)
                 now = time.time()
-                rec.update(step=step, epoch=epoch + batch_in_epoch / max(1, loader.steps_per_epoch()), lr=lr,
+                rec.update(step=step, epoch=epoch + batch_in_epoch / max(1, in_epoch), lr=lr,
                            data_wait_frac=loader.data_wait / max(
                                now - t_log - (loader.startup_wait if first_log else 0.0), 1e-9),
                            peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2 ** 30 if kind == "cuda" else None,
