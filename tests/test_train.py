@@ -327,3 +327,20 @@ def test_loader_start_up_is_reported_apart_from_data_wait(tiny_store, tmp_path):
     assert train[0]["data_startup_s"] > 0.0
     assert "data_startup_s" not in train[1]
     assert all(0.0 <= r["data_wait_frac"] <= 1.0 for r in train)
+
+
+def test_no_compile_keeps_every_kernel_eager(tiny_store, tmp_path, monkeypatch):
+    """--no-compile reaches both compiled paths: the loss's chunk math (forced on here, also on the CPU)
+    and the layers' kernels."""
+    import dflash_pipeline.train.kernels as kernels_mod
+    import dflash_pipeline.train.loss as loss_mod
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a compiled kernel was used")
+
+    monkeypatch.setattr(loss_mod, "COMPILE", "always")
+    monkeypatch.setattr(loss_mod, "_compiled_terms", refuse)
+    monkeypatch.setattr(kernels_mod, "_compiled_set", refuse)
+    assert run_train(_cfg(tiny_store, tmp_path / "eager", steps=2, compile=False))["finished"]
+    with pytest.raises(AssertionError, match="compiled kernel"):
+        run_train(_cfg(tiny_store, tmp_path / "compiled", steps=2, compile=True))

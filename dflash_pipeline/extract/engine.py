@@ -381,6 +381,12 @@ class Engine:
             out["drain_s"] = time.time() - self.t_gpu_done
             if len(self.marks) > 1 and self.t_gpu_done > t_first:
                 out["steady_tokens_per_second"] = (self.c["tokens_gpu"] - tok_first) / (self.t_gpu_done - t_first)
+        if self.cuda:
+            # The caching allocator's trips to the driver: a cudaFree (after a failed allocation, a
+            # retry) synchronises the device and stalls the pipeline where no event sees it.
+            st = torch.cuda.memory_stats(self.device)
+            out["cuda_allocator"] = {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                                                 "num_device_free", "num_sync_all_streams")}
         return out
 
 

@@ -105,7 +105,8 @@ class TrainConfig:
     strict: bool = False
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
     checkpoint_layers: int = 0              # recompute only the first N layers (between none and all)
-    ddp_bucket_mb: float = 25.0             # DDP all-reduce bucket size (PyTorch's default: 25 MB)
+    ddp_bucket_mb: float = 100.0            # DDP all-reduce bucket size (PyTorch's default is 25 MB)
+    compile: bool = True                    # fused compiled kernels on CUDA (False: eager, same numbers)
     seed: int = 0
     num_workers: int = 2
     wandb: str | None = None

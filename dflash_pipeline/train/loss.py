@@ -104,7 +104,10 @@ def _compiled_terms():
     return torch.compile(_softmax_terms, dynamic=None, fullgraph=True)
 
 
-def _terms_fn(device: torch.device):
+def _terms_fn(device: torch.device, compiled: bool | None):
+    """compiled: False = eager; None = as COMPILE says."""
+    if compiled is False:
+        return None
     if COMPILE == "always" or (COMPILE == "cuda" and device.type == "cuda"):
         return _compiled_terms()
     return None
@@ -136,13 +139,14 @@ def _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_
     return sums, correct_C, g_CV @ head_weight_VH
 
 
-def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight, inv_norm, need_grad):
+def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight, inv_norm, need_grad,
+           compiled=None):
     """Weighted CE/KL/CAP sums, argmax hits and d loss / d h of one chunk, from one head matmul.
 
     A function of its own so that the chunk's [C, V] buffers are freed on return, before the next
     chunk's matmul.
     """
-    fn = _terms_fn(h_CH.device)
+    fn = _terms_fn(h_CH.device, compiled)
     if fn is not None:
         return _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight,
                                cap_weight, inv_norm, need_grad)
@@ -195,7 +199,7 @@ def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight
 class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK,
-                kl_weight, cap_weight, chunk_size, normalizer):
+                kl_weight, cap_weight, chunk_size, normalizer, compiled):
         N = hidden_NH.shape[0]
         need_grad = ctx.needs_input_grad[0]
         grad_NH = torch.empty_like(hidden_NH) if need_grad else None
@@ -208,7 +212,7 @@ class FusedHeadLoss(torch.autograd.Function):
                 hidden_NH[s:e], head_weight_VH, labels_N[s:e], weights_N[s:e],
                 None if teacher_ids_NK is None else teacher_ids_NK[s:e],
                 None if teacher_logprobs_NK is None else teacher_logprobs_NK[s:e],
-                kl_weight, cap_weight, inv_norm, need_grad,
+                kl_weight, cap_weight, inv_norm, need_grad, compiled,
             )
             sums += chunk_sums
             if need_grad:
@@ -223,7 +227,7 @@ class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
         (grad_NH,) = ctx.saved_tensors
-        return grad_NH * grad_loss.to(grad_NH.dtype), None, None, None, None, None, None, None, None, None
+        return grad_NH * grad_loss.to(grad_NH.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def _normalizer(weights_N: torch.Tensor, normalizer, dtype: torch.dtype) -> torch.Tensor:
@@ -245,14 +249,17 @@ def fused_head_loss(
     cap_weight: float = 0.0,
     chunk_size: int = 2048,
     normalizer: float | torch.Tensor | None = None,
+    compiled: bool | None = None,
 ) -> HeadLossResult:
-    """Loss, metrics and (saved) input gradient of the frozen head in one chunked pass; see module doc."""
+    """Loss, metrics and (saved) input gradient of the frozen head in one chunked pass; see module doc.
+    compiled=False keeps each chunk's softmax math eager (None: compiled on CUDA, see COMPILE)."""
     _check(hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK, kl_weight)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     out = FusedHeadLoss.apply(
         hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK,
         float(kl_weight), float(cap_weight), int(chunk_size), _normalizer(weights_N, normalizer, _acc_dtype(hidden_NH)),
+        compiled,
     )
     return HeadLossResult(*out)
 

@@ -103,9 +103,11 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
         t_ids = batch.topk_ids.gather(1, src[:, :, None].expand(R, Q, K)).reshape(R * Q, K)[sel]
         t_lps = batch.topk_logprobs.gather(1, src[:, :, None].expand(R, Q, K)).reshape(R * Q, K)[sel].float()
     head = frozen.head_VH
+    core = model.module if hasattr(model, "module") else model
     res = fused_head_loss(hidden_NH.to(head.dtype), head, labels_N, weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
-                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]))
+                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]),
+                          compiled=False if getattr(core, "compile_kernels", None) is False else None)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
     correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=hidden_RQH.device)
     correct_RQ[sel] = res.correct_N
@@ -116,7 +118,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     has = labelled[..., 1:].any(-1)
     run = (correct[..., 1:] & labelled[..., 1:]).int().cumprod(-1)  # stops at the first miss or unlabelled slot
     streak = run.sum(-1) + 1
-    cfg = model.module.config if hasattr(model, "module") else model.config
+    cfg = core.config
     return StepOut(res.loss, res.ce.detach(), res.kl.detach(), res.cap.detach(), correct_B, count_B,
                    (streak * has).sum(), has.sum(), R * Q, int(batch.num_tokens),
                    attention_pairs(batch, blocks, B, cfg), torch.where(has, run.sum(-1), -1))

@@ -194,6 +194,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     model.checkpoint_layers = dcfg.num_layers if cfg.activation_checkpointing else min(cfg.checkpoint_layers,
                                                                                         dcfg.num_layers)
     init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
+    model.compile_kernels = None if cfg.compile else False
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, {n_params / 1e6:.1f}M trainable "
