@@ -65,6 +65,14 @@ def _teacher_probs(teacher_logprobs_CK: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(q, nan=0.0)
 
 
+def _kl_sum(x_CV, lse_C1, ids_CK, teacher_lp_CK, w_C):
+    """(teacher ids as int64, renormalised teacher probabilities q, sum w KL) of one chunk."""
+    ids_CK = ids_CK.long()
+    q_CK = _teacher_probs(teacher_lp_CK).to(w_C.dtype)
+    kl_C = (torch.xlogy(q_CK, q_CK) - q_CK * (x_CV.gather(1, ids_CK).to(w_C.dtype) - lse_C1)).sum(-1)
+    return ids_CK, q_CK, (w_C * kl_C).sum()
+
+
 def _softmax_terms(x_CV, labels_C, scale_C, ce_coef: float, cap_weight: float, need_grad: bool):
     """Everything the loss needs from a chunk's logits x, as one function for torch.compile.
 
@@ -124,10 +132,7 @@ def _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_
     sums = torch.zeros(3, dtype=acc, device=h_CH.device)
     sums[0] = (w_C * (lse_C1[:, 0] - x_lab_C)).sum()
     if ids_CK is not None:
-        ids_CK = ids_CK.long()
-        q_CK = _teacher_probs(teacher_lp_CK).to(acc)
-        kl_C = (torch.xlogy(q_CK, q_CK) - q_CK * (x_CV.gather(1, ids_CK).to(acc) - lse_C1)).sum(-1)
-        sums[1] = (w_C * kl_C).sum()
+        ids_CK, q_CK, sums[1] = _kl_sum(x_CV, lse_C1, ids_CK, teacher_lp_CK, w_C)
     if cap_weight > 0:
         sums[2] = (w_C * correct_C.to(acc) * ent_C1[:, 0]).sum()
     del x_CV
@@ -169,10 +174,7 @@ def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight
     sums = torch.zeros(3, dtype=acc, device=h_CH.device)
     sums[0] = (w_C * (lse_C1 - x_CV.gather(1, safe_labels_C1).to(acc))[:, 0]).sum()
     if ids_CK is not None:
-        ids_CK = ids_CK.long()
-        q_CK = _teacher_probs(teacher_lp_CK).to(acc)
-        kl_C = (torch.xlogy(q_CK, q_CK) - q_CK * (x_CV.gather(1, ids_CK).to(acc) - lse_C1)).sum(-1)
-        sums[1] = (w_C * kl_C).sum()
+        ids_CK, q_CK, sums[1] = _kl_sum(x_CV, lse_C1, ids_CK, teacher_lp_CK, w_C)
     if cap_weight > 0:
         # entropy = lse - sum p x, with p = e / s
         ent_C1 = lse_C1 - torch.einsum("cv,cv->c", e_CV, x_CV.to(acc))[:, None] / s_C1
