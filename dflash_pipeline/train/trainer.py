@@ -200,6 +200,9 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, {n_params / 1e6:.1f}M trainable "
              f"parameters; block {dcfg.block_size}, features from target layers {dcfg.target_layer_ids}, "
              f"mask token {dcfg.mask_token_id}; {world} process(es) on {kind}")
+    if kind == "cuda":
+        line.say("the first step compiles FlexAttention" + (" and the fused kernels" if cfg.compile else "")
+                 + " (about a minute, once per process; cached on disk for later runs)")
     # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy into them each step,
     # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if kind == "cuda" else None,
