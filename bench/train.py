@@ -5,7 +5,8 @@
             input and block tok/s, peak memory and MFU (model FLOPs without recompute over the step
             time and the 790 TFLOP/s measured bf16 peak), and in the same run the conventional step
             (chunked CE under activation checkpointing: the frozen head runs forward, again in the
-            recompute, and once more for the metrics). Goal: MFU >= 60%.
+            recompute, and once more for the metrics), and the same step with its elementwise chains
+            eager (`--no-compile`): what the compiled kernels are worth. Goal: MFU >= 60%.
   memory    hidden 5120, vocab 248,320, intermediate 17,408, 5 layers, block 32, 1,024 anchors,
             one 49,152-token row, KL on: the case that crashed an online pipeline. Goal: peak < 80 GB.
 
