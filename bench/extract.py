@@ -127,13 +127,15 @@ def bare_forward(path: str, store: str, tokens_per_batch: int, with_head: bool =
     return n / dt
 
 
-def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str) -> dict:
+def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str, profile=None) -> dict:
     """Extraction's GPU work alone, no store, no host threads: the target forward with hooks, then
     each stage of `dflash extract`'s loop timed on its own (CUDA events), over the same batches. Against
     the bare forward and the full extraction it separates GPU-side cost from host-side stalls."""
+    from dflash_pipeline.extract.profiling import BatchProfiler
     from dflash_pipeline.extract.target import TargetRunner, load_target
     from dflash_pipeline.store.codecs import get_codec, hidden_layer_stats
 
+    prof = BatchProfiler(profile, label="compute only")
     model = load_target(path, DTYPE, DEVICE)
     runner = TargetRunner(model, [1, 9, 17, 25, 33] if not SMOKE_MODE else [1, 2, 3, 4, 5], 32)
     codec = get_codec(codec_name)
@@ -144,7 +146,9 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str) 
         todo = batches[:2] if warm else batches
         _sync()
         t = time.perf_counter()
-        for ids, lens in todo:
+        for i, (ids, lens) in enumerate(todo):
+            if not warm:
+                prof.before(i, n)
             if DEVICE == "cuda":
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 ev[0].record()
@@ -164,6 +168,7 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str) 
             if not warm:
                 n += sum(lens)
         dt = _elapsed(t)
+    prof.finish(n)
     del model, runner
     _free_gpu()
     return {"tok_per_s": n / dt, "seconds": dt, "stage_seconds": stages}
@@ -194,6 +199,9 @@ def main() -> None:
     ap.add_argument("--codecs", default="bf16,fp8")
     ap.add_argument("--gpus", default="1", help="GPU counts to run extraction on, e.g. 1,2 (speedup reported)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-window", default=None, metavar="FIRST:COUNT",
+                    help="profile these batches of the one-GPU extraction and of compute-only (same batches)")
+    ap.add_argument("--profile-dir", default=None, help="where the profile reports go (default: --work)")
     ap.add_argument("--extra-batch-tokens", type=int, default=None,
                     help="also run one GPU with batches of this many tokens, against forwards over the same batches")
     ap.add_argument("--writer-processes", type=int, default=None,
@@ -243,13 +251,28 @@ def main() -> None:
                 "bytes_per_token": rec["store"]["bytes_per_token"], "compression_ratio": rec["store"]["compression_ratio"],
                 "codec_rel_rmse": rec["store"]["codec_rel_rmse"], "workers": ws, "store_dir": args.store_dir or args.work}
 
+    def window(name: str):
+        """--profile-window FIRST:COUNT -> the same batches profiled in the pipeline and compute-only."""
+        from pathlib import Path
+
+        from dflash_pipeline.extract.profiling import ProfileWindow
+
+        if not args.profile_window:
+            return None
+        first, count = (int(x) for x in args.profile_window.split(":"))
+        return ProfileWindow(first, count, Path(args.profile_dir or args.work) / f"profile-{name}.json")
+
     for codec in args.codecs.split(","):
         store = os.path.join(args.store_dir or args.work, f"store-{codec}")
         for n in gpu_counts:
+            w = window(f"pipeline-{codec}") if n == 1 else None
+            if w is not None:  # the one-GPU run is in this process: its engine reads the variable
+                os.environ["DFLASH_PROFILE"] = f"{w.first}:{w.count}:{w.path}"
             # End to end (tok_per_s): model loaded to the last segment committed, slowest process.
             # Steady state: after each process's first segment until its GPU finished (warm-up and the
             # final write left out; what a run of hours sees).
             results["runs"][f"{codec}-{n}gpu"] = extract_run(store, codec, n, args.tokens_per_batch)
+            os.environ.pop("DFLASH_PROFILE", None)
             dump()  # what is measured so far survives a time limit
             if baseline is None:
                 baseline = bare_forward(target, store, args.tokens_per_batch)
@@ -257,7 +280,8 @@ def main() -> None:
                 dump()
                 results["full_forward_tok_per_s_1gpu"] = bare_forward(target, store, args.tokens_per_batch, True)
                 dump()
-                results["compute_only"] = compute_only(target, store, args.tokens_per_batch, codec)
+                results["compute_only"] = compute_only(target, store, args.tokens_per_batch, codec,
+                                                       window(f"compute-{codec}"))
                 dump()
         if not args.keep:
             shutil.rmtree(store, ignore_errors=True)

@@ -12,6 +12,7 @@
 #         WRITER_PROCS (extract: writer processes; 0 = threads; default: extract's own)
 #         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
 #         EXTRA_BATCH_TOKENS (extract: one more 1-GPU run with batches of this size)  DDP_GPUS (default 2)
+#         PROFILE_WINDOW=FIRST:COUNT (extract: profile those batches, pipeline and compute-only)
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
@@ -60,7 +61,8 @@ for p in $parts; do
   extract)
     part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
       --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} \
-      ${EXTRA_BATCH_TOKENS:+--extra-batch-tokens "$EXTRA_BATCH_TOKENS"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
+      ${EXTRA_BATCH_TOKENS:+--extra-batch-tokens "$EXTRA_BATCH_TOKENS"} \
+      ${PROFILE_WINDOW:+--profile-window "$PROFILE_WINDOW" --profile-dir "$out"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
   ddp)
     # The training step on N GPUs (DDP) over one GPU, for several all-reduce bucket sizes.
     part ddp "${LIMIT_DDP:-240}" "$py" bench/ddp.py --gpus "${DDP_GPUS:-2}" --json "$out/ddp.json" "${smoke[@]}" ;;

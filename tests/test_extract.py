@@ -294,3 +294,20 @@ def test_writer_processes_refused_without_shared_memory(data_file, tmp_path, mon
     monkeypatch.setattr(engine, "shm_free_bytes", lambda: 1 << 20)
     with pytest.raises(DFlashError, match=r"--writer-processes 2: /dev/shm has 0.0 GiB free.*--shm-size"):
         run_extract(_cfg(tmp_path, data_file, writer_processes=2))
+
+
+def test_profile_window_writes_its_report_and_changes_nothing(extracted, data_file, tmp_path, monkeypatch):
+    """DFLASH_PROFILE=FIRST:COUNT:PATH profiles that window of batches and writes its report; the store
+    is the same; a malformed value is one clear error before any work."""
+    cfg, _ = extracted
+    report = tmp_path / "prof" / "window.json"
+    monkeypatch.setenv("DFLASH_PROFILE", f"1:2:{report}")
+    cfg2 = _cfg(tmp_path, data_file)
+    run_extract(cfg2)
+    _assert_same_store(cfg.out, cfg2.out)
+    rec = json.loads(report.read_text())
+    assert rec["batches"] == 2 and rec["tokens"] > 0 and "kernels" in rec
+    monkeypatch.setenv("DFLASH_PROFILE", "soon")
+    with pytest.raises(DFlashError, match="FIRST:COUNT:PATH"):
+        run_extract(_cfg(tmp_path / "other", data_file))
+    assert not (tmp_path / "other").exists()

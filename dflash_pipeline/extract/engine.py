@@ -26,6 +26,7 @@ import torch
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.plan import SegmentPlan
 from dflash_pipeline.extract.procwriter import BULK, ProcessWriter, SharedArrays, SharedBlockPool, shm_free_bytes
+from dflash_pipeline.extract.profiling import BatchProfiler, ProfileWindow
 from dflash_pipeline.extract.target import TargetRunner
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
@@ -156,6 +157,8 @@ class Engine:
         # split by whether the next batch opens a segment: says where a pipeline stall sits.
         self.gpu_gap_s = {"within_segment": 0.0, "segment_start": 0.0}
         self._last_end_event = None
+        self.batches = 0
+        self.profiler = BatchProfiler(ProfileWindow.from_env(rank), label="dflash extract")
         # Where the GPU loop's own (host) time goes: building inputs, launching the target's forward,
         # launching encode/statistics, blocked on a staging buffer, blocked on an event. When launches
         # take as long as the GPU work, the host is the limit (e.g. another thread holding the GIL).
@@ -211,6 +214,8 @@ class Engine:
     def _run_batches(self, asm: SegmentAssembly, sp: SegmentPlan, lengths: list[int]) -> None:
         h = self.host_s
         for j, batch in enumerate(make_batches(lengths, self.cfg.tokens_per_batch)):
+            self.profiler.before(self.batches, self.c["tokens_gpu"])
+            self.batches += 1
             t0 = time.perf_counter()
             lens = [lengths[i] for i in batch]
             S = max(lens)
@@ -363,6 +368,7 @@ class Engine:
             self._last_end_event = b
 
     def summary(self) -> dict[str, Any]:
+        self.profiler.finish(self.c["tokens_gpu"])  # a window the run was too short to close
         self._resolve_gpu_time(0)
         elapsed = time.time() - self.t_start
         out = {"rank": self.rank, "device": str(self.device), "seconds": elapsed,

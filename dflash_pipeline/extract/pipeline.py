@@ -170,6 +170,9 @@ def num_processes(cfg: ExtractConfig) -> tuple[str, int]:
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     """Entry point of `dflash extract`. Returns the run record."""
+    from dflash_pipeline.extract.profiling import ProfileWindow
+
+    ProfileWindow.from_env()  # a malformed DFLASH_PROFILE fails here, before any work
     line = LiveLine(enabled=not cfg.quiet)
     launched = env_rank()
     if launched is None:
