@@ -71,7 +71,12 @@ class BatchProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
-        report = summarize(self.prof)
+        try:
+            report = summarize(self.prof)
+        except Exception as e:  # a diagnostic must not end the run; the table below still says a lot
+            report = {"summary_error": f"{type(e).__name__}: {e}"}
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        report["table"] = self.prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
         report.update(label=self.label, batches=self.window.count, tokens=tokens_so_far - self.tokens0)
         self.window.path.parent.mkdir(parents=True, exist_ok=True)
         self.window.path.write_text(json.dumps(report, indent=1))
