@@ -106,16 +106,13 @@ def profile_table(fn, path: str, steps: int = 2) -> None:
 
 def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
                head_dim=128, checkpoint_layers=0, profile: str | None = None, compiled: bool = True):
-    import dflash_pipeline.train.loss as loss_mod
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    loss_mod.COMPILE = "cuda" if compiled else "never"
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
                         target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1e6)
     model = DFlashDrafter(cfg)
     model.checkpoint_layers = checkpoint_layers
-    model.compile_kernels = None if compiled else False
+    model.compile_kernels = None if compiled else False  # False also keeps the loss eager (run_blocks)
     init_drafter_weights(model)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
