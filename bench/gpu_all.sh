@@ -4,8 +4,8 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval codecs train-step replica ddp disk
-#         (default: all but replica, ddp and disk, in that order)
+#   PART: cuda-tests extract train-store eval codecs train-step replica ddp disk attention
+#         (default: all but replica, ddp, disk and attention, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -63,6 +63,9 @@ for p in $parts; do
       --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} \
       ${EXTRA_BATCH_TOKENS:+--extra-batch-tokens "$EXTRA_BATCH_TOKENS"} \
       ${PROFILE_WINDOW:+--profile-window "$PROFILE_WINDOW" --profile-dir "$out"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
+  attention)
+    # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
+    part attention 120 "$py" bench/attention.py --json "$out/attention.json" "${smoke[@]}" ;;
   ddp)
     # The training step on N GPUs (DDP) over one GPU, for several all-reduce bucket sizes.
     part ddp "${LIMIT_DDP:-240}" "$py" bench/ddp.py --gpus "${DDP_GPUS:-2}" --json "$out/ddp.json" "${smoke[@]}" ;;

@@ -91,8 +91,9 @@ def test_features_equal_plain_forward(extracted, smollm_model):
 
 def test_batches_never_ask_the_device_about_padding(smollm_dir, smollm_model, monkeypatch):
     """transformers' SDPA mask asks `padding_mask.all()` (and, without a mask, scans position ids for
-    packing): a device sync per forward that let every host hiccup idle the GPU. Extraction tells the
-    mask from the host; padded and unpadded batches still equal a plain forward of each sample."""
+    packing): a device sync per forward that let every host hiccup idle the GPU. Right padding under a
+    causal mask needs no padding mask at all: SDPA gets none (plain causal attention, no per-shape
+    masked kernel), and padded and unpadded batches still equal a plain forward of each sample."""
     import transformers.masking_utils as mu
 
     from dflash_pipeline.extract.target import SDPA_NO_SYNC, TargetRunner, load_target
@@ -108,10 +109,19 @@ def test_batches_never_ask_the_device_about_padding(smollm_dir, smollm_model, mo
     orig = mu._ignore_causal_mask_sdpa
     monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", no_device_check)
     monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda *a, **k: pytest.fail("scanned position ids"))
+    sdpa, masks = torch.nn.functional.scaled_dot_product_attention, []
+
+    def record_mask(*a, attn_mask=None, **k):
+        masks.append(attn_mask)
+        return sdpa(*a, attn_mask=attn_mask, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record_mask)
     g = torch.Generator().manual_seed(0)
     for lengths in ([37, 20, 9], [24, 24]):
         ids = torch.randint(0, 1000, (len(lengths), max(lengths)), generator=g)
+        masks.clear()
         out = runner.run_batch(ids, lengths)
+        assert len(masks) == model.config.num_hidden_layers and all(m is None for m in masks)
         off = 0
         for i, n in enumerate(lengths):
             with torch.no_grad():

@@ -88,27 +88,30 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-# -- attention masks without a device sync ---------------------------------------------------------
-# For SDPA, transformers asks `padding_mask.all()` of every batch to decide whether the causal mask can
-# be skipped (and, without a 2D mask, inspects position ids for packing): a device-to-host sync at the
-# start of each forward. The host then cannot queue the next batch while the GPU works, so every host
-# hiccup (the writer, the collector, Python) leaves the GPU idle. Extraction knows on the host whether
-# a batch is padded; an attention implementation registered under our own name (the same SDPA kernel)
-# builds the mask from that instead of asking the device.
+# -- attention without a padding mask ------------------------------------------------------------------
+# Extraction's batches are right-padded, and a decoder's attention is causal: every padding token comes
+# after every real token of its row, so the causal mask alone already hides padding from real tokens
+# (padding's own outputs are discarded). The 2D padding mask is therefore redundant, and it is costly:
+#   - transformers asks `padding_mask.all()` of every batch to decide whether the causal mask can be
+#     skipped (and, without a 2D mask, inspects position ids for packing): a device-to-host sync per
+#     forward, after which every host hiccup leaves the GPU idle;
+#   - a padded batch gets a materialised [B, 1, S, S] mask, and SDPA with a mask cannot use grouped
+#     KV heads natively (transformers copies K and V per query head) and runs a masked kernel, which
+#     cuDNN builds anew for every batch shape (tens of ms each; length-sorted batches rarely repeat one).
+# An attention implementation registered under our own name (the same SDPA kernel) drops the padding
+# mask inside `right_padded_batch()`: the forward runs plain causal attention, as for one sample alone.
+# Outside that context (e.g. decoding with a KV cache in `dflash eval`) it is transformers' own SDPA.
 
 SDPA_NO_SYNC = "nosync_sdpa"  # no "flash" in the name: transformers reads that as a flash kernel
 _MASK_STATE = threading.local()
 
 
-def _no_sync_sdpa_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
+def _no_sync_sdpa_mask(*args, attention_mask=None, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
-    padded = getattr(_MASK_STATE, "padded", None)
-    if padded is False:      # no padding: the 2D mask adds nothing (causal may then use is_causal)
-        attention_mask = None
-    elif padded is True:     # padding: build the mask, without testing the device for "no padding"
-        allow_is_causal_skip = False
-    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if getattr(_MASK_STATE, "right_padded", False):
+        attention_mask = None  # causal alone hides right padding; sliding windows still get their mask
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def _register_no_sync_sdpa() -> bool:
@@ -119,22 +122,19 @@ def _register_no_sync_sdpa() -> bool:
         AttentionInterface.register(SDPA_NO_SYNC, ALL_ATTENTION_FUNCTIONS["sdpa"])
         AttentionMaskInterface.register(SDPA_NO_SYNC, _no_sync_sdpa_mask)
         return True
-    except Exception:  # an older transformers: the plain SDPA path (with its sync) still works
+    except Exception:  # an older transformers: the plain SDPA path (mask, sync) still gives the same outputs
         return False
 
 
-class batch_padding:
-    """Context: the forward inside runs a batch that is (not) padded, as known on the host."""
-
-    def __init__(self, padded: bool):
-        self.padded = padded
+class right_padded_batch:
+    """Context: the forward inside runs a full (no KV cache) causal pass over right-padded rows."""
 
     def __enter__(self):
-        self.prev = getattr(_MASK_STATE, "padded", None)
-        _MASK_STATE.padded = self.padded
+        self.prev = getattr(_MASK_STATE, "right_padded", False)
+        _MASK_STATE.right_padded = True
 
     def __exit__(self, *exc):
-        _MASK_STATE.padded = self.prev
+        _MASK_STATE.right_padded = self.prev
 
 
 def load_target(path: Path | str, dtype: torch.dtype, device: torch.device | str | None = None,
@@ -241,7 +241,7 @@ class TargetRunner:
         ids = input_ids_BS.to(self.input_device, non_blocking=True)
         attn = attn.to(self.input_device, non_blocking=True)
         self._captured.clear()
-        with batch_padding(any(n != S for n in lengths)):
+        with right_padded_batch():
             out = base_model(self.model)(input_ids=ids, attention_mask=attn.long(), use_cache=False)
         final = out.last_hidden_state
         # [B, S, L, H] -> real tokens only, [N, L, H]
