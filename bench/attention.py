@@ -81,21 +81,21 @@ def causal_call(q, k, v, lengths):
 def measure(name: str, call, shape_list, heads, kv, D, dtype, backend=None, warm_reps: int = 3) -> dict:
     cold, warm = [], []
     for B, S in shape_list:
-        q, k, v, lengths = make_inputs(B, S, heads, kv, D, dtype)
+        inputs = make_inputs(B, S, heads, kv, D, dtype)
 
-        def run():
+        def run(inputs=inputs):
             if backend is None:
-                call(q, k, v, lengths)
+                call(*inputs)
             else:
                 with sdpa_kernel([backend]):
-                    call(q, k, v, lengths)
+                    call(*inputs)
 
         try:
             cold.append(_timed(run))
             warm.append(sorted(_timed(run) for _ in range(warm_reps))[warm_reps // 2])
         except RuntimeError as e:  # a backend that does not take these inputs
             return {"variant": name, "error": str(e).splitlines()[0][:200]}
-        del q, k, v
+        del inputs
     tokens = sum(B * S for B, S in shape_list)
     res = {"variant": name, "first_call_s": sum(cold), "warm_s": sum(warm),
            "first_call_extra_s": sum(cold) - sum(warm), "warm_tok_per_s": tokens / sum(warm),

@@ -63,7 +63,7 @@ def worker(rank: int, world: int, port: int, variants: list[tuple[str, float | N
     head = (torch.randn(s["V"], s["H"], device=device) * 0.02).to(torch.bfloat16 if cuda else torch.float32)
     frozen = Frozen(head, head)
     batch = make_batch(s["R"], s["S"], 5, s["H"], s["V"], 32, device)
-    g = torch.Generator(device=device).manual_seed(1 + rank)
+    g = torch.Generator().manual_seed(1 + rank)  # anchors are drawn on the host
     anchors = draw_anchors(batch, s["anchors"], g, s["B"])
     for name, bucket_mb, bf16 in variants:
         if world > 1:

@@ -120,8 +120,8 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     frozen = Frozen(head, head)
     batch = make_batch(R, S, 5, H, V, 32, device)
     gamma = {16: 7.0, 32: 10.0}.get(B, 7.0)
-    g = torch.Generator(device=device).manual_seed(1)
-    anchors = draw_anchors(batch, anchors, g, B)
+    g = torch.Generator().manual_seed(1)
+    anchors = draw_anchors(batch, anchors, g, B)  # on the host, as the trainer draws them
     flops = {}
 
     stages = {"forward+loss": [], "backward": [], "optimizer": []}
@@ -160,7 +160,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
 
         def conv():
             opt.zero_grad(set_to_none=True)
-            blocks = build_blocks(batch.tokens, batch.pos, batch.doc, batch.loss_mask, anchors, block_size=B,
+            blocks = build_blocks(batch.tokens, batch.pos, batch.doc, batch.loss_mask, anchors.to(device), block_size=B,
                                   mask_token_id=cfg.mask_token_id, gamma=gamma)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 hid = model(batch.features, batch.pos, batch.doc, head[blocks.token_ids_RQ], blocks.pos_RQ,

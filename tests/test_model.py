@@ -277,6 +277,95 @@ def test_compiled_kernels_under_autocast_on_cuda_are_as_accurate_as_eager():
         assert err_compiled <= 1.5 * err_eager + 1e-3, (i, err_compiled, err_eager)
 
 
+def _step_batch(seed: int = 0, K: int = 4):
+    """A packed two-row Batch on the host (the rows of `packed_batch`), with tokens, a loss mask with
+    holes and random teacher top-k."""
+    from dflash_pipeline.train.data import Batch
+
+    b, _ = packed_batch(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    pos, doc = b["ctx_pos_RS"], b["ctx_doc_RS"]
+    R, S = doc.shape
+    ids = torch.randint(0, V - 1, (R, S), generator=g)
+    loss_mask = (doc >= 0) & (torch.rand(R, S, generator=g) > 0.2)
+    top = torch.log_softmax(torch.randn(R, S, V, generator=g), -1).topk(K)
+    return Batch(ids, loss_mask, pos, doc, b["features_RSF"], top.indices, top.values, int((doc >= 0).sum()))
+
+
+@pytest.mark.parametrize("kind,causal", [("full", False), ("sliding", True), ("sliding", False)])
+def test_step_blocks_come_from_the_host_copy_only(kind, causal):
+    """Anchors, blocks, labels, the labelled selection and the teacher rows are built from the batch's
+    host copy: the device copy is never read (here it lives on the meta device). Reading it would make
+    the host wait for the GPU at every step. The result equals build_blocks on the same rows, and the
+    attention-pair count (MFU) equals the visible pairs of the dense masks."""
+    from dataclasses import replace
+
+    from dflash_pipeline.train.masks import MaskLayout, dense_mask
+    from dflash_pipeline.train.step import draw_anchors, stage_blocks
+
+    cfg = tiny_config(kind, sliding_causal=causal)
+    host = _step_batch()
+    R, S = host.tokens.shape
+    fields = ("tokens", "loss_mask", "pos", "doc", "features", "topk_ids", "topk_logprobs")
+    on_meta = {f: torch.empty(getattr(host, f).shape, dtype=getattr(host, f).dtype, device="meta") for f in fields}
+    batch = replace(host, **on_meta, host={f: getattr(host, f) for f in host.HOST_FIELDS})
+    anchors = draw_anchors(batch, 3, torch.Generator().manual_seed(0), B)
+    assert anchors.device.type == "cpu" and (anchors[0] >= 0).sum() > 3
+    kinds = [cfg.layer_mask_kind(i) for i in range(cfg.num_layers)]
+    st = stage_blocks(batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0, layer_kinds=kinds,
+                      device=torch.device("cpu"))
+    ref = build_blocks(host.tokens, host.pos, host.doc, host.loss_mask, anchors, block_size=B,
+                       mask_token_id=cfg.mask_token_id, gamma=4.0)
+    w = ref.weights_RQ.reshape(-1)
+    Q = ref.weights_RQ.shape[1]
+    assert torch.equal(st.sel_N, (w > 0).nonzero()[:, 0])
+    assert torch.equal(st.labels_N, ref.labels_RQ.reshape(-1)[w > 0])
+    assert torch.equal(st.weights_N, w[w > 0])
+    assert torch.equal(st.token_ids_RQ, ref.token_ids_RQ) and torch.equal(st.pos_RQ, ref.pos_RQ)
+    # The teacher of the token at row index t is the target's distribution stored at t - 1, same row.
+    assert torch.equal(st.teacher_N, (st.sel_N // Q) * S + ref.label_index_RQ.reshape(-1)[w > 0] - 1)
+    layout = MaskLayout.for_training(host.pos, host.doc, ref.pos_RQ, ref.doc_RQ, ref.block_id_RQ, B)
+    valid = (ref.block_id_RQ >= 0)[:, :, None]
+    pairs = sum(int((dense_mask(layout, c, win)[:, 0] & valid).sum()) for c, win in kinds)
+    assert st.attn_pairs == pairs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_step_never_waits_for_the_gpu():
+    """A whole training step (anchors, blocks, forward, fused loss with KL and CAP, feature noise,
+    backward, clipping, AdamW) queues its GPU work without one device-to-host synchronisation: CUDA's
+    sync debug mode turns any into an error. A sync per step lets the GPU run dry while the host
+    catches up."""
+    from dflash_pipeline.train.step import NOISE_STREAM, Frozen, draw_anchors, run_blocks, step_generator
+
+    torch.manual_seed(0)
+    cfg = tiny_config("sliding", head_dim=16)
+    model = random_drafter(cfg).cuda().train()
+    batch = _step_batch().to(torch.device("cuda"))
+    frozen = Frozen(torch.randn(V, H).cuda(), torch.randn(V, H).cuda())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        anchors = draw_anchors(batch, 3, step_generator(0, 0, 0), B)
+        out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0,
+                         kl_weight=0.1, cap_weight=0.1, feature_noise=0.01, loss_chunk=128,
+                         g=step_generator(0, 0, 0, "cuda", NOISE_STREAM), autocast=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    step()  # compiles; the same shapes again below
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out.loss)
+
+
 # --- config and helpers --------------------------------------------------------------------------
 
 

@@ -178,11 +178,25 @@ class Batch:
     topk_logprobs: torch.Tensor   # [R, S, K] float32
     num_tokens: int
     sample_ids: list[int] = field(default_factory=list)
+    # Host copies of the small fields (HOST_FIELDS), for the per-step work done on the host (anchors,
+    # blocks, labels): reading them from the device would make the host wait for the GPU every step.
+    host: dict[str, torch.Tensor] | None = None
+
+    HOST_FIELDS = ("tokens", "loss_mask", "pos", "doc")
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        host = self.host
+        if host is None and self.tokens.device.type == "cpu":
+            host = {f: getattr(self, f) for f in self.HOST_FIELDS}
         return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in
                        ("tokens", "loss_mask", "pos", "doc", "features", "topk_ids", "topk_logprobs")),
-                     self.num_tokens, self.sample_ids)
+                     self.num_tokens, self.sample_ids, host)
+
+    def host_fields(self) -> dict[str, torch.Tensor]:
+        """tokens, loss_mask, pos and doc on the host (copied from the device once if not kept)."""
+        if self.host is None:
+            self.host = {f: getattr(self, f).cpu() for f in self.HOST_FIELDS}
+        return self.host
 
 
 # -- building rows (runs in workers) ----------------------------------------------------------------
@@ -624,7 +638,8 @@ class _PinnedRing:
         for f in self.FIELDS:
             torch.stack([r[f] for r in rows], out=slot[f])
         meta = _stack_meta(rows)
-        return Batch(*(slot[f] for f in self.FIELDS), *meta)
+        host = {f: slot[f].clone() for f in Batch.HOST_FIELDS}  # the slot is refilled later: copies
+        return Batch(*(slot[f] for f in self.FIELDS), *meta, host)
 
 
 def store_fingerprint(reader) -> str:

@@ -49,13 +49,12 @@ def evaluate(model, frozen, reader, rows, dcfg, *, gamma: float, device: torch.d
     for row in rows:
         s = reader.read_sample(int(row), layers=dcfg.target_layer_ids)
         T = len(s.tokens_T)
-        tokens = torch.from_numpy(s.tokens_T.astype(np.int64))[None].to(device)
-        mask = torch.from_numpy(s.loss_mask_T)[None].to(device)
-        doc = torch.zeros((1, T), dtype=torch.long, device=device)
-        batch = Batch(tokens, mask, torch.arange(T, device=device)[None], doc,
-                      s.hidden_TLH.reshape(1, T, -1).to(device),
-                      torch.from_numpy(s.topk_ids_TK.astype(np.int64))[None].to(device),
-                      torch.from_numpy(s.topk_logprobs_TK.astype(np.float32))[None].to(device), T)
+        mask = torch.from_numpy(s.loss_mask_T)[None]
+        doc = torch.zeros((1, T), dtype=torch.long)
+        batch = Batch(torch.from_numpy(s.tokens_T.astype(np.int64))[None], mask, torch.arange(T)[None], doc,
+                      s.hidden_TLH.reshape(1, T, -1),
+                      torch.from_numpy(s.topk_ids_TK.astype(np.int64))[None],
+                      torch.from_numpy(s.topk_logprobs_TK.astype(np.float32))[None], T).to(device)
         cands = anchor_candidates(mask[0], doc[0])
         idx = cands.nonzero()[:, 0]
         runs = np.full(T, -1, dtype=np.int64)
@@ -71,8 +70,8 @@ def evaluate(model, frozen, reader, rows, dcfg, *, gamma: float, device: torch.d
             v[3] += out.blocks.double()
             v[7:7 + B] += out.correct_B.double()
             v[7 + B:] += out.count_B.double()
-            runs[anchors[0].cpu().numpy()] = out.run_RA[0].cpu().numpy()
-        steps, committed = chain_walk(runs, cands.cpu().numpy())
+            runs[anchors[0].numpy()] = out.run_RA[0].cpu().numpy()
+        steps, committed = chain_walk(runs, cands.numpy())
         v[4] += steps
         v[5] += committed
         v[6] += 1

@@ -39,25 +39,34 @@ class StepOut:
     blocks: torch.Tensor          # blocks with at least one label
     block_tokens: int             # A*B*R computed
     input_tokens: int
-    attn_pairs: torch.Tensor      # visible (query, key) pairs, for the FLOP count
+    attn_pairs: float             # visible (query, key) pairs, for the FLOP count (from the host)
     run_RA: torch.Tensor          # per block: correct slots in a row from slot 1 (-1: no label)
 
 
-def step_generator(seed: int, rank: int, step: int, device: torch.device) -> torch.Generator:
+ANCHOR_STREAM, NOISE_STREAM = 0, 1
+
+
+def step_generator(seed: int, rank: int, step: int, device: torch.device | str = "cpu",
+                   stream: int = ANCHOR_STREAM) -> torch.Generator:
+    """The generator of one step's draws: anchors (ANCHOR_STREAM, on the host) or feature noise
+    (NOISE_STREAM, on the training device); independent streams, a function of (seed, rank, step)."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + rank * 7919 + step * 104_729) % (2 ** 63))
+    g.manual_seed((seed * 1_000_003 + rank * 7919 + step * 104_729 + stream * 15_485_863) % (2 ** 63))
     return g
 
 
 def draw_anchors(batch: Batch, max_anchors: int, g: torch.Generator, block_size: int = 16) -> torch.Tensor:
-    """[R, A] sorted anchor indices per row, -1 padded.
+    """[R, A] sorted anchor indices per row, -1 padded, on the host (g: a host generator).
 
+    Drawn from the batch's host copy: on the device, the variable anchor count would make the host
+    wait for the GPU to finish the previous step before it could queue this one.
     A is rounded up so that A * block_size is a multiple of 128: query lengths then fall on
     FlexAttention's 128-token tiles and take few distinct values, so the compiled kernel is not
     recompiled for every step's anchor count.
     """
-    lists = [sample_anchors(batch.loss_mask[r], batch.doc[r], max_anchors, generator=g)
-             for r in range(batch.tokens.shape[0])]
+    h = batch.host_fields()
+    lists = [sample_anchors(h["loss_mask"][r], h["doc"][r], max_anchors, generator=g)
+             for r in range(h["tokens"].shape[0])]
     bucket = max(1, 128 // block_size)
     longest = max((len(a) for a in lists), default=0)
     return pad_anchors(lists, num_blocks=max(bucket, -(-longest // bucket) * bucket))
@@ -73,68 +82,122 @@ def loss_chunk_for(loss_chunk: int, vocab: int) -> int:
     return max(128, min(loss_chunk, LOGITS_BUDGET_BYTES // (4 * vocab)))
 
 
+@dataclass
+class StagedBlocks:
+    """A step's blocks built on the host and sent to the device in two copies. N: labelled slots."""
+
+    token_ids_RQ: torch.Tensor
+    pos_RQ: torch.Tensor
+    doc_RQ: torch.Tensor
+    block_id_RQ: torch.Tensor
+    sel_N: torch.Tensor           # flat [R*Q] index of each labelled slot
+    labels_N: torch.Tensor
+    teacher_N: torch.Tensor       # flat [R*S] row of the teacher distribution (label index - 1)
+    weights_N: torch.Tensor       # float32
+    attn_pairs: float
+
+
+def stage_blocks(batch: Batch, anchors_RA: torch.Tensor, *, block_size: int, mask_token_id: int, gamma: float,
+                 layer_kinds: list[tuple[bool, int | None]], device: torch.device) -> StagedBlocks:
+    """Blocks, labels and the labelled selection from the batch's host copy: the labelled count (a
+    shape) is known without asking the device, so the host never waits for the GPU within a step."""
+    h = batch.host_fields()
+    anchors_RA = anchors_RA.cpu()
+    blocks = build_blocks(h["tokens"], h["pos"], h["doc"], h["loss_mask"], anchors_RA, block_size=block_size,
+                          mask_token_id=mask_token_id, gamma=gamma)
+    R, Q = blocks.labels_RQ.shape
+    S = h["tokens"].shape[1]
+    w = blocks.weights_RQ.reshape(-1)
+    sel = (w > 0).nonzero()[:, 0]
+    row = sel // Q
+    teacher = row * S + (blocks.label_index_RQ.reshape(-1)[sel] - 1).clamp_min(0)
+    ints = [blocks.token_ids_RQ, blocks.pos_RQ, blocks.doc_RQ, blocks.block_id_RQ, sel,
+            blocks.labels_RQ.reshape(-1)[sel], teacher]
+    pairs = attention_pairs(blocks, block_size, layer_kinds)
+    ints = _to_device(ints, device)
+    weights = _to_device([w[sel]], device)[0]
+    return StagedBlocks(*ints, weights, pairs)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Same-dtype host tensors to the device in one asynchronous copy from pinned memory."""
+    if device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory().to(device, non_blocking=True)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
 def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *, block_size: int,
                mask_token_id: int, gamma: float, kl_weight: float, cap_weight: float, feature_noise: float,
                loss_chunk: int, g: torch.Generator | None, autocast: bool) -> StepOut:
-    blocks = build_blocks(batch.tokens, batch.pos, batch.doc, batch.loss_mask, anchors_RA, block_size=block_size,
-                          mask_token_id=mask_token_id, gamma=gamma)
+    """One step's forward and loss. anchors_RA: from `draw_anchors` (host); g: the device generator of
+    the feature noise."""
+    core = model.module if hasattr(model, "module") else model
+    cfg = core.config
     feats = batch.features
+    device = feats.device
+    st = stage_blocks(batch, anchors_RA, block_size=block_size, mask_token_id=mask_token_id, gamma=gamma,
+                      layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=device)
     if feature_noise > 0:
-        noise = torch.rand(feats.shape, generator=g, device=feats.device, dtype=torch.float32)
+        noise = torch.rand(feats.shape, generator=g, device=device, dtype=torch.float32)
         feats = (feats.float() + (noise * 2 - 1) * feature_noise).to(feats.dtype)
-    embeds = frozen.embed_VH[blocks.token_ids_RQ]
+    embeds = frozen.embed_VH[st.token_ids_RQ]
     if frozen.embed_scale != 1.0:
         embeds = embeds * frozen.embed_scale
-    device_type = feats.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-        hidden_RQH = model(feats, batch.pos, batch.doc, embeds, blocks.pos_RQ, blocks.doc_RQ, blocks.block_id_RQ)
-    R, Q = blocks.labels_RQ.shape
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden_RQH = model(feats, batch.pos, batch.doc, embeds, st.pos_RQ, st.doc_RQ, st.block_id_RQ)
+    R, Q = st.token_ids_RQ.shape
     B = block_size
-    sel = blocks.weights_RQ.reshape(-1) > 0
-    hidden_NH = hidden_RQH.reshape(R * Q, -1)[sel]
-    labels_N = blocks.labels_RQ.reshape(-1)[sel]
-    weights_N = blocks.weights_RQ.reshape(-1)[sel]
+    hidden_NH = hidden_RQH.reshape(R * Q, -1).index_select(0, st.sel_N)
     t_ids = t_lps = None
     if kl_weight > 0:
         # The teacher for the token at t is the target's distribution computed at t - 1.
-        src = blocks.label_index_RQ.reshape(R, Q) - 1
-        src = src.clamp_min(0)
         K = batch.topk_ids.shape[-1]
-        t_ids = batch.topk_ids.gather(1, src[:, :, None].expand(R, Q, K)).reshape(R * Q, K)[sel]
-        t_lps = batch.topk_logprobs.gather(1, src[:, :, None].expand(R, Q, K)).reshape(R * Q, K)[sel].float()
+        t_ids = batch.topk_ids.reshape(-1, K).index_select(0, st.teacher_N)
+        t_lps = batch.topk_logprobs.reshape(-1, K).index_select(0, st.teacher_N).float()
     head = frozen.head_VH
-    core = model.module if hasattr(model, "module") else model
-    res = fused_head_loss(hidden_NH.to(head.dtype), head, labels_N, weights_N, t_ids, t_lps,
+    res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
                           chunk_size=loss_chunk_for(loss_chunk, head.shape[0]),
                           compiled=False if getattr(core, "compile_kernels", None) is False else None)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
-    correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=hidden_RQH.device)
-    correct_RQ[sel] = res.correct_N
-    labelled = sel.view(R, Q // B, B)
+    labelled_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_fill_(0, st.sel_N, True)
+    correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_put_((st.sel_N,), res.correct_N)
+    labelled = labelled_RQ.view(R, Q // B, B)
     correct = correct_RQ.view(R, Q // B, B)
     count_B = labelled.sum(dim=(0, 1))
     correct_B = (correct & labelled).sum(dim=(0, 1))
     has = labelled[..., 1:].any(-1)
     run = (correct[..., 1:] & labelled[..., 1:]).int().cumprod(-1)  # stops at the first miss or unlabelled slot
     streak = run.sum(-1) + 1
-    cfg = core.config
     return StepOut(res.loss, res.ce.detach(), res.kl.detach(), res.cap.detach(), correct_B, count_B,
-                   (streak * has).sum(), has.sum(), R * Q, int(batch.num_tokens),
-                   attention_pairs(batch, blocks, B, cfg), torch.where(has, run.sum(-1), -1))
+                   (streak * has).sum(), has.sum(), R * Q, int(batch.num_tokens), st.attn_pairs,
+                   torch.where(has, run.sum(-1), -1))
 
 
-def attention_pairs(batch: Batch, blocks, block_size: int, cfg) -> torch.Tensor:
-    """Visible (query, key) pairs summed over layers: context keys before the anchor (capped by the
-    window in sliding layers) plus the block's own keys."""
-    valid = blocks.block_id_RQ >= 0
-    anchor_pos = (blocks.pos_RQ - torch.arange(blocks.pos_RQ.shape[1], device=valid.device) % block_size).float()
-    total = torch.zeros((), device=valid.device)
-    for i in range(cfg.num_layers):
-        causal, window = cfg.layer_mask_kind(i)
-        ctx = anchor_pos if window is None else anchor_pos.clamp_max(float(window))
-        own = float(block_size) if not causal else (torch.arange(blocks.pos_RQ.shape[1], device=valid.device) % block_size + 1).float()
-        total = total + ((ctx + own) * valid).sum()
+def attention_pairs(blocks, block_size: int, layer_kinds: list[tuple[bool, int | None]]) -> float:
+    """Visible (query, key) pairs summed over layers, counted exactly from the host blocks by the rule of
+    `masks.visible`: context keys of the sample before the anchor, and keys of the query's own block
+    (all of them, or up to its slot when causal), both within the window in sliding layers."""
+    valid = (blocks.block_id_RQ >= 0).double()
+    slot = (torch.arange(blocks.pos_RQ.shape[1]) % block_size).double()
+    q_pos = blocks.pos_RQ.double()
+    anchor = q_pos - slot
+    total = 0.0
+    for causal, window in layer_kinds:
+        if window is None:
+            ctx = anchor
+            own = slot + 1 if causal else torch.full_like(slot, float(block_size))
+        else:
+            ctx = (anchor - (q_pos - window + 1).clamp_min(0)).clamp_min(0)   # keys in (q_pos - W, anchor)
+            lo = (slot - window + 1).clamp_min(0)
+            hi = slot if causal else (slot + window - 1).clamp_max(block_size - 1)
+            own = hi - lo + 1
+        total += float(((ctx + own) * valid).sum())
     return total
 
 
@@ -159,4 +222,4 @@ def flops_from_totals(cfg, *, block_tokens: float, context_tokens: float, attn_p
 def step_flops(cfg, out: StepOut, context_tokens: int, train: bool = True) -> float:
     """`flops_from_totals` of one step (reads two device scalars: a host sync)."""
     return flops_from_totals(cfg, block_tokens=out.block_tokens, context_tokens=context_tokens,
-                             attn_pairs=float(out.attn_pairs), labelled=float(out.count_B.sum()), train=train)
+                             attn_pairs=out.attn_pairs, labelled=float(out.count_B.sum()), train=train)

@@ -33,7 +33,8 @@ from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, lo
 from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
 from dflash_pipeline.train.evaluate import evaluate
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, choose_mask_token_id, init_drafter_weights
-from dflash_pipeline.train.step import Frozen, draw_anchors, flops_from_totals, run_blocks, step_generator
+from dflash_pipeline.train.step import (NOISE_STREAM, Frozen, draw_anchors, flops_from_totals, run_blocks,
+                                        step_generator)
 
 PEAK_BF16_FLOPS = 790e12   # measured bf16 matmul peak of one H200 (see BENCHMARKS.md)
 
@@ -280,12 +281,13 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     try:
         for (epoch, last, in_epoch), batch in (groups if step < total else ()):
             opt.zero_grad(set_to_none=True)
-            g = step_generator(cfg.seed, rank, step, device)
+            g_anchors = step_generator(cfg.seed, rank, step)
+            g = step_generator(cfg.seed, rank, step, device, NOISE_STREAM)
             for i, b in enumerate(batch):
-                anchors = draw_anchors(b, cfg.max_anchors, g, cfg.block_size)
+                anchors = draw_anchors(b, cfg.max_anchors, g_anchors, cfg.block_size)
                 ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else contextlib.nullcontext()
                 with ctx:
-                    out = run_blocks(ddp, frozen, b, anchors.to(device), block_size=cfg.block_size,
+                    out = run_blocks(ddp, frozen, b, anchors, block_size=cfg.block_size,
                                      mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.kl_weight,
                                      cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise,
                                      loss_chunk=cfg.loss_chunk, g=g, autocast=autocast)
@@ -402,8 +404,8 @@ def _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, de
 
 class _Accum:
     """Sums over a logging interval, kept on the device (no host sync per step), reduced over ranks
-    when logged. Slots of `v`: loss, ce, kl, cap, streak sum, blocks, attention pairs, labelled
-    slots, then correct and labelled counts per block slot."""
+    when logged. Slots of `v`: loss, ce, kl, cap, streak sum, blocks, labelled slots, then correct and
+    labelled counts per block slot; the counts known on the host (tokens, attention pairs) beside it."""
 
     def __init__(self, device, dcfg):
         self.device, self.dcfg, self.B = device, dcfg, dcfg.block_size
@@ -411,26 +413,27 @@ class _Accum:
 
     def clear(self):
         self.t0 = time.time()
-        self.v = torch.zeros(8 + 2 * self.B, dtype=torch.float64, device=self.device)
+        self.v = torch.zeros(7 + 2 * self.B, dtype=torch.float64, device=self.device)
         self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.steps = self.micro = 0
         self.input_tokens = self.block_tokens = self.context_tokens = 0
+        self.attn_pairs = 0.0
 
     def add(self, out, context_tokens: int):
         B = self.B
-        self.v[:8] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
-                                   out.streak_sum.double(), out.blocks.double(), out.attn_pairs.double(),
-                                   out.count_B.sum().double()])
-        self.v[8:8 + B] += out.correct_B.double()
-        self.v[8 + B:] += out.count_B.double()
+        self.v[:7] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
+                                   out.streak_sum.double(), out.blocks.double(), out.count_B.sum().double()])
+        self.v[7:7 + B] += out.correct_B.double()
+        self.v[7 + B:] += out.count_B.double()
+        self.attn_pairs += out.attn_pairs
         self.input_tokens += out.input_tokens
         self.block_tokens += out.block_tokens
         self.context_tokens += context_tokens
         self.micro += 1
 
     def reduce(self, world, dist) -> dict[str, Any]:
-        ints = torch.tensor([self.input_tokens, self.block_tokens, self.context_tokens], dtype=torch.float64,
-                            device=self.device)
+        ints = torch.tensor([self.input_tokens, self.block_tokens, self.context_tokens, self.attn_pairs],
+                            dtype=torch.float64, device=self.device)
         v = torch.cat([self.v, ints, self.grad_norm.view(1)])
         if dist is not None:
             dist.all_reduce(v)
@@ -438,10 +441,10 @@ class _Accum:
         dt = max(time.time() - self.t0, 1e-9)
         micro = max(self.micro, 1) * world
         B = self.B
-        correct, count = v[8:8 + B], v[8 + B:8 + 2 * B]
-        input_tokens, block_tokens, context_tokens, grad_norm = (float(x) for x in v[8 + 2 * B:])
+        correct, count = v[7:7 + B], v[7 + B:7 + 2 * B]
+        input_tokens, block_tokens, context_tokens, attn_pairs, grad_norm = (float(x) for x in v[7 + 2 * B:])
         flops = flops_from_totals(self.dcfg, block_tokens=block_tokens, context_tokens=context_tokens,
-                                  attn_pairs=float(v[6]), labelled=float(v[7]))
+                                  attn_pairs=attn_pairs, labelled=float(v[6]))
         return {"loss": float(v[0] / micro), "ce": float(v[1] / micro), "kl": float(v[2] / micro),
                 "cap": float(v[3] / micro), "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
                 "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
