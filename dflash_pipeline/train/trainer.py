@@ -178,8 +178,12 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
+        if kind == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     line = LiveLine(enabled=rank == 0 and not cfg.quiet)
     run_dir = Path(cfg.out)
     reader = StoreReader(cfg.store)
@@ -384,6 +388,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
             line.done(f"stopped at step {step}/{total} ({why}); checkpoint {ckpt}; continue with --resume")
     if world > 1:
         dist.barrier()
+    if owns_group:  # torchrun / accelerate may own the group; a group we made we also end (no exit warnings)
+        dist.destroy_process_group()
     return summary
 
 
