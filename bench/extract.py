@@ -44,6 +44,7 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_LENGTH = 8192
 SMOKE_MODE = False
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
@@ -78,6 +79,7 @@ def write_data(path: str, tokens: int, seed: int = 0) -> None:
 
 def store_batches(store: str, tokens_per_batch: int) -> list[tuple[torch.Tensor, list[int]]]:
     """The padded batches `dflash extract` ran, rebuilt from the store's plan: (input ids, lengths)."""
+    from dflash_pipeline.extract.engine import padded_length
     from dflash_pipeline.extract.pipeline import make_batches
     from dflash_pipeline.extract.plan import PlanReader, read_plan
     from dflash_pipeline.store.backends import KV, open_zarr_store
@@ -88,9 +90,9 @@ def store_batches(store: str, tokens_per_batch: int) -> list[tuple[torch.Tensor,
     for s in plan.segments:
         sp = reader.segment(s["segment"])
         lengths = [len(x) for x in sp.input_ids]
-        for b in make_batches(lengths, tokens_per_batch):
+        for b in make_batches(lengths, tokens_per_batch, MAX_LENGTH):
             lens = [lengths[i] for i in b]
-            ids = torch.zeros((len(b), max(lens)), dtype=torch.long)
+            ids = torch.zeros((len(b), padded_length(max(lens), MAX_LENGTH)), dtype=torch.long)
             for r, i in enumerate(b):
                 ids[r, :lens[r]] = torch.from_numpy(sp.input_ids[i].astype("int64"))
             batches.append((ids, lens))
@@ -248,7 +250,7 @@ def main() -> None:
 
     def extract_run(store: str, codec: str, n: int, tokens_per_batch: int) -> dict:
         shutil.rmtree(store, ignore_errors=True)
-        cfg = ExtractConfig(out=store, target=target, data=[data], max_length=8192, topk=32, codec=codec,
+        cfg = ExtractConfig(out=store, target=target, data=[data], max_length=MAX_LENGTH, topk=32, codec=codec,
                             tokens_per_batch=tokens_per_batch, segment_tokens=max(32768, tokens_per_batch),
                             gpus=str(n), dtype="bf16" if DEVICE == "cuda" else "fp32", tokenize_workers=1,
                             device="cuda" if DEVICE == "cuda" else "cpu", writer_processes=args.writer_processes,

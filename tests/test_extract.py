@@ -89,6 +89,27 @@ def test_features_equal_plain_forward(extracted, smollm_model):
     assert batched_with_others >= 1 and seg_sizes.max() > 1
 
 
+def test_batches_fit_the_budget_and_repeat_their_shapes():
+    """Rows are padded to a multiple of 16 (never past the length cap): every sample lands in exactly
+    one batch within the token budget, and a run sees few distinct batch shapes (each new one costs a
+    kernel build in cuDNN attention) where exact widths would make almost every batch new."""
+    from dflash_pipeline.extract.engine import PAD_MULTIPLE, padded_length
+
+    lengths = np.random.default_rng(0).integers(5, 2000, 3000).tolist()
+    batches = make_batches(lengths, 8192, cap=2000)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    shapes, exact = set(), set()
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        width = padded_length(longest, 2000)
+        assert 0 <= width - longest < PAD_MULTIPLE and (width % PAD_MULTIPLE == 0 or width == 2000)
+        assert len(b) == 1 or width * len(b) <= 8192
+        shapes.add((len(b), width))
+        exact.add((len(b), longest))
+    assert len(shapes) <= 2 * 2000 // PAD_MULTIPLE and len(shapes) < len(exact) / 3
+    assert padded_length(1990, 1995) == 1995 and padded_length(33) == 48 and padded_length(32) == 32
+
+
 def test_batches_never_ask_the_device_about_padding(smollm_dir, smollm_model, monkeypatch):
     """transformers' SDPA mask asks `padding_mask.all()` (and, without a mask, scans position ids for
     packing): a device sync per forward that let every host hiccup idle the GPU. Right padding under a
@@ -117,8 +138,8 @@ def test_batches_never_ask_the_device_about_padding(smollm_dir, smollm_model, mo
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record_mask)
     g = torch.Generator().manual_seed(0)
-    for lengths in ([37, 20, 9], [24, 24]):
-        ids = torch.randint(0, 1000, (len(lengths), max(lengths)), generator=g)
+    for lengths, width in (([37, 20, 9], 48), ([24, 24], 24), ([17, 5], 17)):  # width: rows padded to
+        ids = torch.randint(0, 1000, (len(lengths), width), generator=g)
         masks.clear()
         out = runner.run_batch(ids, lengths)
         assert len(masks) == model.config.num_hidden_layers and all(m is None for m in masks)
