@@ -13,6 +13,7 @@
 #         STEPS (train-store steps, default 60)  TRAIN_BENCH_ARGS (e.g. --only memory)
 #         EXTRA_BATCH_TOKENS (extract: one more 1-GPU run with batches of this size)  DDP_GPUS (default 2)
 #         PROFILE_WINDOW=FIRST:COUNT (extract: profile those batches, pipeline and compute-only)
+#         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP: seconds per part
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
@@ -62,7 +63,8 @@ for p in $parts; do
     part extract "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py --tokenizer "$tok" --work "$work" --tokens "$tokens" --gpus "$gpus" \
       --codecs "$codecs" --store-dir "$stores" ${WRITER_PROCS:+--writer-processes "$WRITER_PROCS"} \
       ${EXTRA_BATCH_TOKENS:+--extra-batch-tokens "$EXTRA_BATCH_TOKENS"} \
-      ${PROFILE_WINDOW:+--profile-window "$PROFILE_WINDOW" --profile-dir "$out"} --keep --json "$out/extract.json" "${smoke[@]}" ;;
+      ${PROFILE_WINDOW:+--profile-window "$PROFILE_WINDOW" --profile-dir "$out"} ${EXTRACT_ARGS:-} --keep \
+      --json "$out/extract.json" "${smoke[@]}" ;;
   attention)
     # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
     part attention 120 "$py" bench/attention.py --json "$out/attention.json" "${smoke[@]}" ;;
