@@ -10,12 +10,14 @@ measures in the same run:
   compute   extraction's GPU work alone (forward with hooks, top-k, encode, statistics; no store, no
             host threads), each stage timed: separates GPU-side cost from host-side stalls;
   extract   `dflash extract` (5 features, top-32, store on local disk) with the bf16 and fp8 codecs,
-            steady-state tokens/s from its run record (model loading excluded).
-Reports tok/s and the ratios extract / baseline, against both forwards (goal: >= 0.9).
+            steady-state tokens/s from its run record (model loading excluded); with --repeat a
+            second time in the same process, when every batch shape's kernels are built (what a
+            long run sees once its shapes repeat; the first run meets each shape first).
+Reports tok/s and the ratios extract / baseline, against each forward (goal: >= 0.9).
 
     python bench/assets.py    # here, once: .bench_assets/tokenizer (carry it to the GPU machine)
     python bench/extract.py --tokenizer .bench_assets/tokenizer --work /tmp/bench [--tokens 400000] \
-        [--gpus 1,2] [--json OUT.json]
+        [--gpus 1,2] [--repeat] [--skip whole,compute] [--json OUT.json]
     python bench/extract.py --smoke --tokenizer .bench_assets/tokenizer   # tiny shapes on the CPU
 """
 
