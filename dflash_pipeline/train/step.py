@@ -1,7 +1,10 @@
 """One drafter step on a packed batch: anchors -> blocks -> drafter -> fused head loss -> metrics.
 
-Shared by training and evaluation. Everything random (anchors, feature noise) draws from a generator
-seeded by (seed, rank, step), so a resumed run replays exactly what an uninterrupted one would.
+Shared by training and evaluation. Everything random draws from generators seeded by (seed, rank, step):
+anchors on the host, feature noise on the device, so a resumed run replays exactly what an
+uninterrupted one would. Everything whose shape depends on the data (anchors, blocks, the labelled
+selection) is built on the host from the batch's host copy: the host then never waits for the GPU
+within or between steps, and keeps the GPU's queue full.
 
 Legend: R rows, S row length, A anchors per row, B block size, Q = A*B, N labelled slots, H hidden,
 V vocabulary, K teacher top-k.
