@@ -116,11 +116,11 @@ def bare_forward(path: str, store: str, tokens_per_batch: int, with_head: bool =
     batches = store_batches(store, tokens_per_batch)
 
     def run(ids, lens):
-        mask = (torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long()
         if causal_only:
             with right_padded_batch():
                 out = fwd(input_ids=ids.to(DEVICE, non_blocking=True), use_cache=False)
         else:
+            mask = (torch.arange(ids.shape[1]) < torch.tensor(lens)[:, None]).long()
             out = fwd(input_ids=ids.to(DEVICE, non_blocking=True), attention_mask=mask.to(DEVICE, non_blocking=True),
                       use_cache=False)
         del out  # the logits of one batch (5 GB at 16K tokens x 152K words) are freed before the next

@@ -223,6 +223,6 @@ def flops_from_totals(cfg, *, block_tokens: float, context_tokens: float, attn_p
 
 
 def step_flops(cfg, out: StepOut, context_tokens: int, train: bool = True) -> float:
-    """`flops_from_totals` of one step (reads two device scalars: a host sync)."""
+    """`flops_from_totals` of one step (reads the labelled count from the device: a host sync)."""
     return flops_from_totals(cfg, block_tokens=out.block_tokens, context_tokens=context_tokens,
                              attn_pairs=out.attn_pairs, labelled=float(out.count_B.sum()), train=train)
