@@ -59,6 +59,7 @@ ROLES = {
     "assistant": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
 }
 HELDOUT_EVERY = 64  # embedded record i belongs to the eval split iff i % 64 == 63
 MAX_PROBLEMS_KEPT = 1000  # counts stay exact; only the examples are capped
@@ -651,3 +652,41 @@ def iter_prompts(
         yield meta.sample_id, ids
         if limit is not None and report.num_samples >= limit:
             return
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A usable input row as chat messages, with where it came from (for `dflash generate`)."""
+
+    file: str
+    row: int  # 1-based, in its file
+    sample_id: int  # global row index in the input, bad rows included (as for extraction)
+    form: str  # the record's key: 'conversations' (ShareGPT), 'messages' (OpenAI) or 'prompt'
+    messages: list[dict[str, str]]  # {role: system|user|assistant|tool, content}
+    record_id: Any = None  # the record's own "id", if it has one
+
+
+def iter_conversations(
+    paths: list[str] | None, split: str = "train", report: DataReport | None = None
+) -> Iterator[Conversation]:
+    """Every row of the input that is a conversation or a prompt, in input order, untokenized.
+
+    Rows that are not (bad JSON, unknown form or role, empty content, plain `text`) are skipped and
+    recorded in `report`, as extraction reports them. With no paths, the embedded ShareGPT `split`.
+    """
+    if report is None:
+        report = DataReport()
+    for meta, record in _iter_rows(paths, split):
+        report.num_rows_read += 1
+        try:
+            if isinstance(record, _Bad):
+                raise _BadRow(record.reason, record.detail)
+            messages = _messages(record)
+            if isinstance(messages, str):
+                raise _BadRow(NO_PROMPT, "a plain 'text' record has no prompt")
+        except _BadRow as e:
+            report.skip(meta.file, meta.row, e.bad.reason, e.bad.detail)
+            continue
+        form = next((k for k in ("conversations", "messages") if record.get(k) is not None), "prompt")
+        report.num_samples += 1
+        yield Conversation(meta.file, meta.row, meta.sample_id, form, messages, record.get("id"))

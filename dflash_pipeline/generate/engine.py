@@ -1,0 +1,204 @@
+"""Continuous batching: R rows decode at once, and a row whose reply ends takes the next prompt.
+
+The decoding itself (static KV cache, one graph launch per step) belongs to a row runner behind the
+`DecodeRows` protocol: reset a row, prefill a row with a prompt, step every row by one token. This
+module only decides what each row does, and keeps the device busy while deciding:
+
+- Tokens never leave the device on their way to the next step: a step's sampled tokens are the next
+  step's input (`sampling.sample_rows`, no host synchronisation).
+- The host reads them one step late. Before each step it copies the step's input tokens (the previous
+  step's samples, and a new row's first token) into pinned memory asynchronously, launches the step,
+  and only then waits for the copy, which finished before the step began: the host's bookkeeping
+  (stop tokens, limits, the next prompt's tokenization) overlaps the GPU's step. The price is one
+  wasted step per finished reply: the row has been stepped once more when the host sees its stop
+  token. That step writes one K/V slot past the reply, inside the row's capacity (a reply may use
+  `capacity - prompt` tokens, and that last slot is the one the wasted step fills); the row is
+  reset before its next prompt.
+- Rows without work (at the end of a run) keep stepping, since the step's shape is fixed; they are
+  reset before they could fill their capacity.
+
+Legend: R rows, V vocabulary, P prompt tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from dflash_pipeline.generate.sampling import sample_rows
+
+
+class DecodeRows(Protocol):
+    """A row runner: R sequences over a static KV cache of `capacity` slots each."""
+
+    num_rows: int
+    capacity: int
+    device: torch.device
+
+    def reset_row(self, row: int) -> None:
+        """Forget the row's sequence (length 0)."""
+
+    def prefill_row(self, row: int, ids_P: torch.Tensor) -> torch.Tensor:
+        """Write the prompt into an empty row; fp32 logits [V] at its last token."""
+
+    def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
+        """Append one token to every row at its next position; fp32 logits [R, V]."""
+
+
+@dataclass
+class Request:
+    key: Any                 # the caller's handle, given back with the reply
+    prompt: Sequence[int]
+    seed: int                # the reply's random stream (sampling.row_seed)
+    max_tokens: int          # tokens it may generate, its stop token included
+    limit_reason: str        # why it ends if it reaches max_tokens ('length' or 'context')
+
+
+@dataclass
+class Finished:
+    request: Request
+    tokens: list[int]        # generated tokens, the stop token included when there is one
+    finish: str              # 'stop' or request.limit_reason
+
+
+class RequestSource(Protocol):
+    def next_request(self) -> Request | None:
+        """A request to start now, or None (nothing ready)."""
+
+    def finished(self, done: Finished) -> None:
+        """A reply ended; the source may now have a follow-up request ready."""
+
+    def exhausted(self) -> bool:
+        """True when no request will ever come again."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0                  # generated tokens, stop tokens included
+    replies: int = 0
+    prefill_tokens: int = 0
+    finish: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+    busy_row_steps: int = 0          # sum over steps of rows with a reply in progress
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "tokens": self.tokens, "replies": self.replies,
+                "prefill_tokens": self.prefill_tokens, "finish": dict(self.finish), "seconds": self.seconds,
+                "tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
+                "row_occupancy": self.busy_row_steps / max(self.steps, 1)}
+
+
+class Engine:
+    """Runs requests from a source on a row runner until the source is exhausted and every row is idle."""
+
+    def __init__(self, rows: DecodeRows, *, stop_ids: Sequence[int], temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0):
+        self.rows = rows
+        self.R = rows.num_rows
+        self.device = rows.device
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.stats = EngineStats()
+        self.tokens_R = torch.zeros(self.R, dtype=torch.long, device=self.device)
+        self.seed_R = torch.zeros(self.R, dtype=torch.long, device=self.device)
+        self.counter_R = torch.zeros(self.R, dtype=torch.long, device=self.device)
+        self._host_R = torch.zeros(self.R, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._req: list[Request | None] = [None] * self.R
+        self._out: list[list[int]] = [[] for _ in range(self.R)]
+        self._idle_steps = [0] * self.R   # steps an idle row took since its reset
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def _start(self, row: int, req: Request) -> None:
+        if not 1 <= req.max_tokens <= self.rows.capacity - len(req.prompt):
+            raise ValueError(f"request of {len(req.prompt)} prompt tokens and {req.max_tokens} new tokens "
+                             f"does not fit a row of {self.rows.capacity}")
+        self.rows.reset_row(row)
+        ids_P = torch.as_tensor(np.asarray(req.prompt, dtype=np.int64)).to(self.device, non_blocking=True)
+        logits_1V = self.rows.prefill_row(row, ids_P)[None]
+        seed_1 = torch.tensor([req.seed], dtype=torch.long).to(self.device, non_blocking=True)
+        zero_1 = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.tokens_R[row:row + 1] = sample_rows(logits_1V, seed_1, zero_1, **self.sampling)
+        self.seed_R[row:row + 1] = seed_1
+        self.counter_R[row] = 1
+        self._req[row] = req
+        self._out[row] = []
+        self.stats.prefill_tokens += len(req.prompt)
+
+    def _fill(self, source: RequestSource) -> None:
+        for row in range(self.R):
+            if self._req[row] is None:
+                req = source.next_request()
+                if req is None:
+                    return
+                self._start(row, req)
+
+    def _read(self, host_R: np.ndarray, source: RequestSource) -> None:
+        """Take each busy row's newest token; end the replies that stop or reach their limit."""
+        for row in range(self.R):
+            req = self._req[row]
+            if req is None:
+                continue
+            tok = int(host_R[row])
+            out = self._out[row]
+            out.append(tok)
+            if tok in self.stop_ids:
+                finish = "stop"
+            elif len(out) >= req.max_tokens:
+                finish = req.limit_reason
+            else:
+                continue
+            self._req[row] = None
+            self._idle_steps[row] = 1  # the step already launched for it counts against its capacity
+            self.stats.replies += 1
+            self.stats.tokens += len(out)
+            self.stats.finish[finish] += 1
+            source.finished(Finished(req, out, finish))
+
+    def _park_idle(self) -> None:
+        """Reset idle rows before their ever-stepping sequence could reach the row's capacity."""
+        for row in range(self.R):
+            if self._req[row] is None:
+                self._idle_steps[row] += 1
+                if self._idle_steps[row] >= self.rows.capacity - 1:
+                    self.rows.reset_row(row)
+                    self._idle_steps[row] = 0
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, source: RequestSource, on_step=None) -> EngineStats:
+        """Decode until the source is exhausted and no reply is in progress; `on_step(stats)` after each step."""
+        t0 = time.perf_counter()
+        while True:
+            self._fill(source)
+            busy = sum(r is not None for r in self._req)
+            if busy == 0:
+                if source.exhausted():
+                    break
+                raise RuntimeError("the request source has nothing to start, yet no reply is in progress")
+            # One buffer suffices: it is read (below) before the next copy into it is queued.
+            self._host_R.copy_(self.tokens_R, non_blocking=True)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            logits_RV = self.rows.step(self.tokens_R)
+            self.tokens_R = sample_rows(logits_RV, self.seed_R, self.counter_R, **self.sampling)
+            self.counter_R += 1
+            self._park_idle()
+            if event is not None:
+                event.synchronize()
+            self.stats.steps += 1
+            self.stats.busy_row_steps += busy
+            self._read(self._host_R.numpy(), source)
+            if on_step is not None:
+                on_step(self.stats)
+        self.stats.seconds += time.perf_counter() - t0
+        return self.stats
