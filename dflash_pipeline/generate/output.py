@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -20,10 +19,8 @@ from typing import Any, Iterable
 from dflash_pipeline.extract.data import Conversation
 from dflash_pipeline.generate.conversations import conversation_from_json, conversation_to_json
 from dflash_pipeline.schemas.generate import (
-    RUN_FILE, RUNS_DIR, commit_name, plan_name, read_run_file, shard_name,
+    RUN_FILE, RUNS_DIR, SHARD_FILE, commit_name, plan_name, read_run_file, shard_name,
 )
-
-_SHARD_FILE = re.compile(r"shard-(\d{5})\.(jsonl|parquet)$")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -94,7 +91,7 @@ class OutputFolder:
             return set()
         out = set()
         for p in self.path.iterdir():
-            m = _SHARD_FILE.match(p.name)
+            m = SHARD_FILE.match(p.name)
             if m and m.group(2) == fmt:
                 out.add(int(m.group(1)))
         return out

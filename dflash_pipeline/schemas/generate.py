@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ FINISH_REASONS = (STOP, LENGTH, CONTEXT)
 # Settings that change the output; a re-run must match them (plus the target and the input data).
 OUTPUT_KEYS = ("limit", "max_new_tokens", "max_length", "temperature", "top_p", "top_k", "seed", "turns",
                "chat_template_kwargs", "shard_size", "format", "dtype")
+
+
+SHARD_FILE = re.compile(r"shard-(\d{5})\.(jsonl|parquet)$")
 
 
 def shard_name(shard: int, fmt: str) -> str:
@@ -176,3 +180,26 @@ def generated_data(folder: str | Path) -> GeneratedData | None:
                          f"e.g. {shard_name(missing[0], fmt)}); re-run the same `dflash generate` command to complete it")
     return GeneratedData(str(folder), [str(folder / shard_name(k, fmt)) for k in shards], run["target"],
                          run["settings"], len(shards))
+
+
+def expand_generated_inputs(paths: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Input paths with each `dflash generate` output folder replaced by its shard files, and the
+    provenance of every generate output among them (a folder, or shard files given one by one).
+
+    ValueError (one line) for a generate output whose run has not finished.
+    """
+    files: list[str] = []
+    provenance: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        gen = generated_data(p)
+        if gen is not None:
+            files.extend(gen.files)
+            provenance.setdefault(gen.folder, gen.provenance())
+            continue
+        files.append(p)
+        parent = Path(p).parent
+        run = read_run_file(parent) if SHARD_FILE.match(Path(p).name) else None
+        if run is not None and str(parent) not in provenance:
+            provenance[str(parent)] = GeneratedData(str(parent), [], run["target"], run["settings"],
+                                                    len(run["shards"])).provenance()
+    return files, list(provenance.values())
