@@ -14,8 +14,8 @@ module only decides what each row does, and keeps the device busy while deciding
   token. That step writes one K/V slot past the reply, inside the row's capacity (a reply may use
   `capacity - prompt` tokens, and that last slot is the one the wasted step fills); the row is
   reset before its next prompt.
-- Rows without work (at the end of a run) keep stepping, since the step's shape is fixed; they are
-  reset before they could fill their capacity.
+- A row is reset as soon as its reply ends. Rows without work (at the end of a run) keep stepping,
+  since the step's shape is fixed, and are reset again before they could fill their capacity.
 
 Legend: R rows, V vocabulary, P prompt tokens.
 """
@@ -155,7 +155,8 @@ class Engine:
             else:
                 continue
             self._req[row] = None
-            self._idle_steps[row] = 1  # the step already launched for it counts against its capacity
+            self.rows.reset_row(row)  # after the step already launched for it, in stream order
+            self._idle_steps[row] = 0
             self.stats.replies += 1
             self.stats.tokens += len(out)
             self.stats.finish[finish] += 1
