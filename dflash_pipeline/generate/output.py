@@ -79,6 +79,12 @@ class OutputFolder:
             atomic_write(self.path / plan_name(k), _jsonl(conversation_to_json(c) for c in convs))
         atomic_write(self.path / RUN_FILE, json.dumps(run, indent=1).encode())
 
+    def remove_leftovers(self) -> None:
+        """Temporary files of writes a killed run left unfinished (call before any worker starts)."""
+        if self.path.is_dir():
+            for p in self.path.rglob(".*.tmp"):
+                p.unlink(missing_ok=True)
+
     def read_plan(self, shard: int) -> list[Conversation]:
         with open(self.path / plan_name(shard), encoding="utf-8") as f:
             return [conversation_from_json(json.loads(line)) for line in f if line.strip()]

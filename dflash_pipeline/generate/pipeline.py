@@ -128,6 +128,7 @@ def prepare(cfg: GenerateConfig, line: LiveLine) -> tuple[GenerateConfig, Prepar
     run = {"format": GENERATE_FORMAT, "tool_version": __version__, "created": _now(), "target": target,
            "settings": cfg.output_settings(), "data": {"inputs": [str(p) for p in inputs], "fingerprint": fingerprint}}
     folder = OutputFolder(cfg.out)
+    folder.remove_leftovers()
     existing = folder.run_file()
     if existing is None:
         run = _plan_shards(cfg, folder, run, line)
