@@ -43,8 +43,11 @@ class NaiveRows:
         return out
 
 
-def naive_rows_factory(num_rows: int):
-    def factory(model, cfg, device, line):
-        return NaiveRows(model, num_rows, cfg.max_length)
+class naive_rows_factory:
+    """`rows_factory` for run_generate (picklable, for spawned worker processes)."""
 
-    return factory
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+
+    def __call__(self, model, cfg, device, line):
+        return NaiveRows(model, self.num_rows, cfg.max_length)

@@ -287,3 +287,21 @@ def test_parquet_shards_read_back_as_conversations(tmp_path):
     back = list(iter_conversations([str(tmp_path / "shard-00000.parquet")]))
     assert [c.messages for c in back] == [r1.messages(), r2.messages()]
     assert [c.form for c in back] == ["conversations", "messages"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--turns", "last"], "--turns must be 'all' or 'first'"),
+    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+    (["--format", "csv"], "--format must be one of jsonl, parquet"),
+    (["--data", "nowhere.jsonl"], "nowhere.jsonl: no such file"),
+])
+def test_bad_generate_options_are_one_line(tmp_path, args, needle):
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["generate", "--out", str(tmp_path / "o"), *args])
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+    assert not (tmp_path / "o").exists()

@@ -163,6 +163,15 @@ def test_rerun_completes_nothing_and_refuses_other_settings(generated, data_file
         run_generate(_cfg(out, data_file, turns="first"), rows_factory=ROWS)
 
 
+def test_two_processes_write_the_same_rows(generated, data_file, tmp_path):
+    _, _, rows = generated
+    out = tmp_path / "two"
+    record = run_generate(_cfg(out, data_file, num_procs=2, shard_size=1, limit=2), rows_factory=ROWS)
+    assert record["processes"] == 2 and [w["shards"] for w in record["workers"]] == [1, 1]
+    got = [json.loads(line) for p in sorted(out.glob("shard-*.jsonl")) for line in p.read_text().splitlines()]
+    assert got == rows[:2]
+
+
 def test_missing_input_fails_before_any_work(tmp_path):
     with pytest.raises(DFlashError, match="nope.jsonl"):
         run_generate(_cfg(tmp_path / "out", tmp_path / "nope.jsonl"), rows_factory=ROWS)
