@@ -72,7 +72,9 @@ def _target_identity(cfg: GenerateConfig, target_path, tokenizer) -> tuple[dict[
 def _report_dict(report: DataReport) -> dict[str, Any]:
     import dataclasses
 
-    return {"summary": report.summary_lines(), "num_rows_read": report.num_rows_read,
+    # summary_lines' first two lines count tokens of tokenized samples; nothing is tokenized here.
+    summary = [f"rows read: {report.num_rows_read:,}; conversations: {report.num_samples:,}"]
+    return {"summary": summary + report.summary_lines()[2:], "num_rows_read": report.num_rows_read,
             "num_conversations": report.num_samples, "num_skipped": report.num_skipped,
             "skipped_by_reason": dict(report.skipped_by_reason),
             "problems": [dataclasses.asdict(p) for p in report.problems[:50]]}
