@@ -49,5 +49,5 @@ class naive_rows_factory:
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
 
-    def __call__(self, model, cfg, device, line):
-        return NaiveRows(model, self.num_rows, cfg.max_length)
+    def __call__(self, model, cfg, device, line, max_rows):
+        return NaiveRows(model, min(self.num_rows, max_rows), cfg.max_length)

@@ -305,3 +305,24 @@ def test_bad_generate_options_are_one_line(tmp_path, args, needle):
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_rows_are_computed_from_the_shapes_and_free_memory():
+    from transformers import Qwen3Config
+
+    from dflash_pipeline.errors import DFlashError
+    from dflash_pipeline.generate.rows import GIB, plan_rows
+
+    cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    b = plan_rows(cfg, torch.bfloat16, 4096, 120 * GIB)
+    assert b.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
+    used = lambda r: r * 4096 * b.kv_bytes_per_token + r * (b.step_bytes // b.rows) + b.prefill_bytes + b.margin_bytes  # noqa: E731
+    assert used(b.rows) <= 120 * GIB < used(b.rows + 1)          # as many as fit, and no more
+    assert 100 < b.rows < 200
+    assert plan_rows(cfg, torch.bfloat16, 4096, 120 * GIB, max_rows=64).rows == 64
+    assert plan_rows(cfg, torch.bfloat16, 4096, 120 * GIB, batch_tokens=4096 * 10).rows == 10
+    with pytest.raises(DFlashError, match=r"--batch-tokens 4096000 \(1000 sequences of 4096 tokens\) needs .* at most"):
+        plan_rows(cfg, torch.bfloat16, 4096, 120 * GIB, batch_tokens=4096 * 1000)
+    with pytest.raises(DFlashError, match="not even one sequence"):
+        plan_rows(cfg, torch.bfloat16, 4096, 2 * GIB)

@@ -200,7 +200,8 @@ def worker_main(cfg: GenerateConfig, prep: Prepared, rank: int, world: int, loca
     stop_ids = stop_token_ids(tokenizer, model)
     if rows_factory is None:
         from dflash_pipeline.generate.rows import open_rows as rows_factory
-    rows = rows_factory(model, cfg, device, line)
+    total = sum(s["conversations"] for s in prep.run["shards"] if s["shard"] in set(mine))
+    rows = rows_factory(model, cfg, device, line, max_rows=total)   # more rows than conversations would idle
     folder = OutputFolder(cfg.out)
     work = ShardWork(
         mine, folder.read_plan, lambda k, rows_, counts: folder.commit_shard(k, rows_, counts.to_dict(), cfg.format),
@@ -208,7 +209,6 @@ def worker_main(cfg: GenerateConfig, prep: Prepared, rank: int, world: int, loca
         lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
         stop_ids=stop_ids, capacity=rows.capacity, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, turns=cfg.turns,
     )
-    total = sum(s["conversations"] for s in prep.run["shards"] if s["shard"] in set(mine))
     progress = GenerateProgress(line, work, total, rows.num_rows, world)
     engine = Engine(rows, stop_ids=sorted(stop_ids), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     stats = engine.run(work, on_step=progress.update)

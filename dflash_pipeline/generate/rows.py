@@ -1,0 +1,142 @@
+"""How many sequences `dflash generate` keeps in flight, and the decoding runner that holds them.
+
+The number of rows is computed from the target's shapes and the device's free memory, not guessed:
+a row holds `--max-length` tokens of KV cache (layers x 2 x KV heads x head dim x dtype bytes per
+token), and beside the cache a step needs its logits and the sampling's temporaries (fp32 and int64
+per vocabulary entry per row), and a prefill its activations and the attention scores of one chunk.
+Every term is counted at its largest; what remains of free memory, less a margin for the allocator's
+fragmentation, is divided among rows. The CUDA-only test checks the count against the real peak.
+
+`--batch-tokens N` asks for N // max_length rows instead; a request that does not fit is refused
+with what it needs and what is free. On the CPU, where memory is not the limit but matmul width is,
+the default is `CPU_ROWS`.
+
+Legend: R rows, C capacity (tokens per row), V vocabulary, H hidden, I intermediate, Q prefill chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from dflash_pipeline.errors import DFlashError
+
+GIB = 1 << 30
+MAX_ROWS = 256          # past this a decode step is compute-bound on any current GPU: more rows add latency only
+CPU_ROWS = 16
+PREFILL_CHUNK = 2048    # prompt tokens per prefill forward (longer prompts run in chunks)
+FRAGMENTATION = 0.06    # share of free memory left to the allocator's rounding and fragmentation
+FIXED_MARGIN = 1 * GIB  # CUDA graphs' private pools, cuBLAS workspaces, kernels built at first use
+
+
+def _shape(config) -> dict[str, int]:
+    from dflash_pipeline.extract.target import text_config
+
+    c = text_config(config)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return {"layers": c.num_hidden_layers, "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            "heads": c.num_attention_heads, "head_dim": head_dim, "hidden": c.hidden_size,
+            "intermediate": getattr(c, "intermediate_size", 4 * c.hidden_size), "vocab": c.vocab_size}
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    s = _shape(config)
+    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * torch.empty(0, dtype=dtype).element_size()
+
+
+def step_workspace(config, dtype: torch.dtype, rows: int) -> int:
+    """Bytes a decode step needs beside the cache at `rows` rows: fp32 logits, sampling temporaries
+    (ids, two hash words, uniforms and scaled logits per vocabulary entry), activations."""
+    s = _shape(config)
+    per_entry = 4 + 4 + 8 + 8 + 8 + 4 + 4        # logits, scaled, ids, hash x2, uniform, noisy logits
+    act = (4 * s["hidden"] + 3 * s["intermediate"]) * torch.empty(0, dtype=dtype).element_size()
+    return rows * (s["vocab"] * per_entry + act)
+
+
+def prefill_workspace(config, dtype: torch.dtype, capacity: int, chunk: int = PREFILL_CHUNK) -> int:
+    """Bytes one prefill chunk needs: activations of Q tokens, fp32 attention scores Q x C per head
+    (a kernel that does not materialise them needs less), the last token's logits."""
+    s = _shape(config)
+    q = min(chunk, capacity)
+    elt = torch.empty(0, dtype=dtype).element_size()
+    act = q * (6 * s["hidden"] + 3 * s["intermediate"]) * elt
+    scores = q * capacity * s["heads"] * 4
+    return act + scores + s["vocab"] * 4
+
+
+@dataclass
+class RowBudget:
+    rows: int
+    capacity: int
+    kv_bytes_per_token: int
+    kv_bytes: int
+    step_bytes: int
+    prefill_bytes: int
+    free_bytes: int
+    margin_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        return (f"{self.rows} sequences in flight x {self.capacity} tokens: KV cache {self.kv_bytes / GIB:.1f} GiB, "
+                f"step and prefill workspace {(self.step_bytes + self.prefill_bytes) / GIB:.1f} GiB, "
+                f"of {self.free_bytes / GIB:.1f} GiB free")
+
+
+def plan_rows(config, dtype: torch.dtype, capacity: int, free_bytes: int, *, max_rows: int = MAX_ROWS,
+              batch_tokens: int | None = None) -> RowBudget:
+    """The rows that fit `free_bytes` (or the rows `batch_tokens` asks for, refused if they do not fit)."""
+    per_token = kv_bytes_per_token(config, dtype)
+    prefill = prefill_workspace(config, dtype, capacity)
+    margin = int(free_bytes * FRAGMENTATION) + FIXED_MARGIN
+    per_row = capacity * per_token + step_workspace(config, dtype, 1)
+    fits = max(0, (free_bytes - margin - prefill) // per_row)
+
+    def budget(rows: int) -> RowBudget:
+        return RowBudget(rows, capacity, per_token, rows * capacity * per_token, step_workspace(config, dtype, rows),
+                         prefill, free_bytes, margin)
+
+    if batch_tokens is not None:
+        rows = batch_tokens // capacity
+        if rows < 1:
+            raise DFlashError(f"--batch-tokens {batch_tokens} is less than one sequence of --max-length {capacity}")
+        if rows > fits:
+            need = budget(rows)
+            total = need.kv_bytes + need.step_bytes + prefill + margin
+            raise DFlashError(f"--batch-tokens {batch_tokens} ({rows} sequences of {capacity} tokens) needs "
+                              f"{total / GIB:.1f} GiB, {free_bytes / GIB:.1f} GiB are free: at most "
+                              f"{fits * capacity} fit (or lower --max-length)")
+        return budget(rows)
+    rows = min(fits, max_rows)
+    if rows < 1:
+        raise DFlashError(f"not even one sequence of --max-length {capacity} fits in the {free_bytes / GIB:.1f} GiB "
+                          f"free beside the target; lower --max-length")
+    return budget(rows)
+
+
+def open_rows(model, cfg, device: torch.device, line, max_rows: int = MAX_ROWS):
+    """The runner of `dflash generate`'s worker: rows planned for this device's free memory."""
+    capacity = int(cfg.max_length)
+    dtype = model.get_input_embeddings().weight.dtype
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = plan_rows(model.config, dtype, capacity, free, max_rows=max_rows, batch_tokens=cfg.batch_tokens)
+    else:
+        rows = cfg.batch_tokens // capacity if cfg.batch_tokens else min(CPU_ROWS, max_rows)
+        if rows < 1:
+            raise DFlashError(f"--batch-tokens {cfg.batch_tokens} is less than one sequence of --max-length {capacity}")
+        per_token = kv_bytes_per_token(model.config, dtype)
+        budget = RowBudget(rows, capacity, per_token, rows * capacity * per_token,
+                           step_workspace(model.config, dtype, rows), prefill_workspace(model.config, dtype, capacity),
+                           0, 0)
+    line.say(budget.text())
+    return make_rows(model, budget.rows, capacity, device)
+
+
+def make_rows(model, num_rows: int, capacity: int, device: torch.device):
+    """The decoding runner's rows behind the engine's `DecodeRows` protocol."""
+    raise NotImplementedError("waiting for the decoding runner")
