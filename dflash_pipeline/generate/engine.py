@@ -86,12 +86,14 @@ class EngineStats:
     finish: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     busy_row_steps: int = 0          # sum over steps of rows with a reply in progress
+    context_row_steps: int = 0       # sum over steps and busy rows of the tokens each row attended to
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "tokens": self.tokens, "replies": self.replies,
                 "prefill_tokens": self.prefill_tokens, "finish": dict(self.finish), "seconds": self.seconds,
                 "tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
-                "row_occupancy": self.busy_row_steps / max(self.steps, 1)}
+                "busy_rows_per_step": self.busy_row_steps / max(self.steps, 1),
+                "mean_context": self.context_row_steps / max(self.busy_row_steps, 1)}
 
 
 class Engine:
@@ -148,6 +150,7 @@ class Engine:
             tok = int(host_R[row])
             out = self._out[row]
             out.append(tok)
+            self.stats.context_row_steps += len(req.prompt) + len(out)
             if tok in self.stop_ids:
                 finish = "stop"
             elif len(out) >= req.max_tokens:
