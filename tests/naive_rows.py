@@ -31,6 +31,9 @@ class NaiveRows:
         self.lengths[row] = len(ids_P)
         return logits[-1]
 
+    def close(self) -> None:
+        self.target.close()
+
     def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.num_rows, self.target.model.config.vocab_size)
         for row in range(self.num_rows):

@@ -49,6 +49,9 @@ class DecodeRows(Protocol):
     def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
         """Append one token to every row at its next position; fp32 logits [R, V]."""
 
+    def close(self) -> None:
+        """Release the runner (the model is usable on its own again)."""
+
 
 @dataclass
 class Request:

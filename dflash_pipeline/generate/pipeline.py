@@ -211,7 +211,10 @@ def worker_main(cfg: GenerateConfig, prep: Prepared, rank: int, world: int, loca
     )
     progress = GenerateProgress(line, work, total, rows.num_rows, world)
     engine = Engine(rows, stop_ids=sorted(stop_ids), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    stats = engine.run(work, on_step=progress.update)
+    try:
+        stats = engine.run(work, on_step=progress.update)
+    finally:
+        rows.close()   # the runner gives the model its own attention back
     progress.done()
     return {"rank": rank, "shards": len(work.committed), "counts": work.total.to_dict(), "engine": stats.to_dict(),
             "rows": rows.num_rows, "capacity": rows.capacity}

@@ -26,7 +26,7 @@ from dflash_pipeline.errors import DFlashError
 GIB = 1 << 30
 MAX_ROWS = 256          # past this a decode step is compute-bound on any current GPU: more rows add latency only
 CPU_ROWS = 16
-PREFILL_CHUNK = 2048    # prompt tokens per prefill forward (longer prompts run in chunks)
+PREFILL_CHUNK = 512     # prompt tokens per prefill forward (longer prompts run in chunks)
 FRAGMENTATION = 0.06    # share of free memory left to the allocator's rounding and fragmentation
 FIXED_MARGIN = 1 * GIB  # CUDA graphs' private pools, cuBLAS workspaces, kernels built at first use
 
@@ -137,6 +137,41 @@ def open_rows(model, cfg, device: torch.device, line, max_rows: int = MAX_ROWS):
     return make_rows(model, budget.rows, capacity, device)
 
 
-def make_rows(model, num_rows: int, capacity: int, device: torch.device):
-    """The decoding runner's rows behind the engine's `DecodeRows` protocol."""
-    raise NotImplementedError("waiting for the decoding runner")
+class RunnerRows:
+    """The decoding runner's rows behind the engine's `DecodeRows` protocol: one-token steps of every
+    row, committed at once (`advance`); a row's reset is O(1) (its length), so refilling costs only the
+    new prompt's prefill. `capacity` is the asked length, not the runner's rounded slot count, so that
+    which replies fit never depends on the runner's internals."""
+
+    def __init__(self, model, num_rows: int, capacity: int):
+        from dflash_pipeline.decoding.runner import DecodingRunner
+
+        self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK)
+        self.num_rows, self.capacity, self.device = num_rows, capacity, self.runner.device
+        self.io = self.runner.inputs(1)
+
+    def reset_row(self, row: int) -> None:
+        self.runner.reset(row)
+
+    def prefill_row(self, row: int, ids_P: torch.Tensor) -> torch.Tensor:
+        logits_1V, _ = self.runner.prefill(row, ids_P)
+        return logits_1V[0]
+
+    def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
+        self.io.ids_Rq[:, 0].copy_(tokens_R)
+        io = self.runner.step(1)
+        self.runner.advance(1)
+        return io.logits_RqV[:, 0]   # a static buffer: valid until the next step, which comes after sampling
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def make_rows(model, num_rows: int, capacity: int, device: torch.device) -> RunnerRows:
+    """`num_rows` sequences of up to `capacity` tokens on the decoding runner (graphed on CUDA)."""
+    from dflash_pipeline.decoding.runner import unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason:
+        raise DFlashError(f"dflash generate: the static-cache decoding runner cannot run this target: {reason}")
+    return RunnerRows(model, num_rows, capacity)
