@@ -152,6 +152,8 @@ def run_cb(model, prompts: list[list[int]], new_tokens: int, batch: int) -> dict
             kwargs["continuous_batching_config"] = ContinuousBatchingConfig(max_requests_per_batch=batch)
         except (ImportError, TypeError):
             pass
+        # transformers' own SDPA (load_target registered another name, which continuous batching refuses)
+        model.set_attn_implementation("sdpa")
         model.generate_batch(prompts[:2], gen, progress_bar=False, **kwargs)  # warm-up (graphs, if any)
         _sync()
         t0 = time.perf_counter()
@@ -213,7 +215,8 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, rows: int, capaci
     _sync()
     step_s = (time.perf_counter() - t1) / steps
     mean_prompt = sum(len(p) for p in prompts[:rows]) / rows
-    del runner
+    runner.close()   # the model gets its own attention back, for the baselines after this
+    del runner, engine
     _free()
     return {"rows": rows, "requests": len(prompts), "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_second": stats.tokens / seconds, "engine": stats.to_dict(),
