@@ -205,9 +205,7 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, rows: int, capaci
     # The decode step alone: steps of the full batch with no prefill between them.
     steps = 32
     tokens_R = torch.zeros(rows, dtype=torch.long, device=DEVICE)
-    for r in range(rows):
-        runner.reset_row(r)
-        runner.prefill_row(r, torch.as_tensor(prompts[r], device=DEVICE))
+    runner.prefill_rows(list(range(rows)), [torch.as_tensor(p, device=DEVICE) for p in prompts[:rows]])
     _sync()
     t1 = time.perf_counter()
     for _ in range(steps):

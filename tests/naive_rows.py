@@ -23,13 +23,16 @@ class NaiveRows:
     def reset_row(self, row: int) -> None:
         self.caches[row], self.lengths[row] = None, 0
 
-    def prefill_row(self, row: int, ids_P: torch.Tensor) -> torch.Tensor:
-        assert self.lengths[row] == 0 and len(ids_P) < self.capacity
-        self.prompts.append(ids_P.tolist())
-        self.caches[row] = self.target.new_cache()
-        logits, _ = self.target.forward(ids_P.tolist(), 0, self.caches[row], last_only=True)
-        self.lengths[row] = len(ids_P)
-        return logits[-1]
+    def prefill_rows(self, rows: list[int], prompts: list[torch.Tensor]) -> torch.Tensor:
+        out = []
+        for row, ids_P in zip(rows, prompts):
+            assert len(ids_P) < self.capacity
+            self.prompts.append(ids_P.tolist())
+            self.caches[row] = self.target.new_cache()
+            logits, _ = self.target.forward(ids_P.tolist(), 0, self.caches[row], last_only=True)
+            self.lengths[row] = len(ids_P)
+            out.append(logits[-1])
+        return torch.stack(out)
 
     def close(self) -> None:
         self.target.close()

@@ -136,10 +136,10 @@ class ScriptedRows:
     def reset_row(self, row):
         self.lengths[row] = 0
 
-    def prefill_row(self, row, ids_P):
-        assert self.lengths[row] == 0
-        self.lengths[row] = len(ids_P)
-        return self._logits(ids_P[-1])
+    def prefill_rows(self, rows, prompts):
+        for row, ids_P in zip(rows, prompts):
+            self.lengths[row] = len(ids_P)
+        return torch.stack([self._logits(ids_P[-1]) for ids_P in prompts])
 
     def step(self, tokens_R):
         for r in range(self.num_rows):

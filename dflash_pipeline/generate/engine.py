@@ -16,6 +16,9 @@ module only decides what each row does, and keeps the device busy while deciding
   reset before its next prompt.
 - A row is reset as soon as its reply ends. Rows without work (at the end of a run) keep stepping,
   since the step's shape is fixed, and are reset again before they could fill their capacity.
+- Freed rows are refilled together once `refill_at` of them (1/16 of the rows) are free, or when no
+  row is busy: one prefill forward for many prompts instead of one each (an eager forward costs the
+  same host time whatever its size). The rows waiting meanwhile cost a few steps of 1/16 of the batch.
 
 Legend: R rows, V vocabulary, P prompt tokens.
 """
@@ -43,8 +46,8 @@ class DecodeRows(Protocol):
     def reset_row(self, row: int) -> None:
         """Forget the row's sequence (length 0)."""
 
-    def prefill_row(self, row: int, ids_P: torch.Tensor) -> torch.Tensor:
-        """Write the prompt into an empty row; fp32 logits [V] at its last token."""
+    def prefill_rows(self, rows: list[int], prompts: list[torch.Tensor]) -> torch.Tensor:
+        """Reset the rows and write one prompt into each; fp32 logits [n, V] at each prompt's last token."""
 
     def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
         """Append one token to every row at its next position; fp32 logits [R, V]."""
@@ -86,6 +89,7 @@ class EngineStats:
     tokens: int = 0                  # generated tokens, stop tokens included
     replies: int = 0
     prefill_tokens: int = 0
+    prefills: int = 0                # prefill calls (each of one or more rows)
     finish: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     busy_row_steps: int = 0          # sum over steps of rows with a reply in progress
@@ -93,7 +97,7 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "tokens": self.tokens, "replies": self.replies,
-                "prefill_tokens": self.prefill_tokens, "finish": dict(self.finish), "seconds": self.seconds,
+                "prefill_tokens": self.prefill_tokens, "prefills": self.prefills, "finish": dict(self.finish), "seconds": self.seconds,
                 "tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
                 "busy_rows_per_step": self.busy_row_steps / max(self.steps, 1),
                 "mean_context": self.context_row_steps / max(self.busy_row_steps, 1)}
@@ -103,9 +107,10 @@ class Engine:
     """Runs requests from a source on a row runner until the source is exhausted and every row is idle."""
 
     def __init__(self, rows: DecodeRows, *, stop_ids: Sequence[int], temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, refill_at: int | None = None):
         self.rows = rows
         self.R = rows.num_rows
+        self.refill_at = refill_at or max(1, self.R // 16)
         self.device = rows.device
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -120,29 +125,37 @@ class Engine:
 
     # -- rows ------------------------------------------------------------------------------------
 
-    def _start(self, row: int, req: Request) -> None:
-        if not 1 <= req.max_tokens <= self.rows.capacity - len(req.prompt):
-            raise ValueError(f"request of {len(req.prompt)} prompt tokens and {req.max_tokens} new tokens "
-                             f"does not fit a row of {self.rows.capacity}")
-        self.rows.reset_row(row)
-        ids_P = torch.as_tensor(np.asarray(req.prompt, dtype=np.int64)).to(self.device, non_blocking=True)
-        logits_1V = self.rows.prefill_row(row, ids_P)[None]
-        seed_1 = torch.tensor([req.seed], dtype=torch.long).to(self.device, non_blocking=True)
-        zero_1 = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.tokens_R[row:row + 1] = sample_rows(logits_1V, seed_1, zero_1, **self.sampling)
-        self.seed_R[row:row + 1] = seed_1
-        self.counter_R[row] = 1
-        self._req[row] = req
-        self._out[row] = []
-        self.stats.prefill_tokens += len(req.prompt)
-
     def _fill(self, source: RequestSource) -> None:
-        for row in range(self.R):
-            if self._req[row] is None:
-                req = source.next_request()
-                if req is None:
-                    return
-                self._start(row, req)
+        """Start requests on the free rows (all in one prefill), once enough rows are free."""
+        free = [row for row in range(self.R) if self._req[row] is None]
+        if not free or (len(free) < self.R and len(free) < self.refill_at):
+            return
+        starts: list[tuple[int, Request]] = []
+        for row in free:
+            req = source.next_request()
+            if req is None:
+                break
+            if not 1 <= req.max_tokens <= self.rows.capacity - len(req.prompt):
+                raise ValueError(f"request of {len(req.prompt)} prompt tokens and {req.max_tokens} new tokens "
+                                 f"does not fit a row of {self.rows.capacity}")
+            starts.append((row, req))
+        if not starts:
+            return
+        rows = [row for row, _ in starts]
+        prompts = [torch.as_tensor(np.asarray(req.prompt, dtype=np.int64)).to(self.device, non_blocking=True)
+                   for _, req in starts]
+        logits_nV = self.rows.prefill_rows(rows, prompts)
+        rows_n = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        seed_n = torch.tensor([req.seed for _, req in starts], dtype=torch.long).to(self.device, non_blocking=True)
+        first_n = sample_rows(logits_nV, seed_n, torch.zeros_like(seed_n), **self.sampling)
+        self.tokens_R.index_copy_(0, rows_n, first_n)
+        self.seed_R.index_copy_(0, rows_n, seed_n)
+        self.counter_R.index_fill_(0, rows_n, 1)
+        for row, req in starts:
+            self._req[row] = req
+            self._out[row] = []
+            self.stats.prefill_tokens += len(req.prompt)
+        self.stats.prefills += 1
 
     def _read(self, host_R: np.ndarray, source: RequestSource) -> None:
         """Take each busy row's newest token; end the replies that stop or reach their limit."""

@@ -3,7 +3,8 @@
 The number of rows is computed from the target's shapes and the device's free memory, not guessed:
 a row holds `--max-length` tokens of KV cache (layers x 2 x KV heads x head dim x dtype bytes per
 token), and beside the cache a step needs its logits and the sampling's temporaries (fp32 and int64
-per vocabulary entry per row), and a prefill its activations and the attention scores of one chunk.
+per vocabulary entry per row), and a prefill (several rows, generate/prefill.py) its activations,
+attention bias, gathered K/V and last-token logits.
 Every term is counted at its largest; what remains of free memory, less a margin for the allocator's
 fragmentation, is divided among rows. The CUDA-only test checks the count against the real peak.
 
@@ -26,7 +27,8 @@ from dflash_pipeline.errors import DFlashError
 GIB = 1 << 30
 MAX_ROWS = 256          # past this a decode step is compute-bound on any current GPU: more rows add latency only
 CPU_ROWS = 16
-PREFILL_CHUNK = 512     # prompt tokens per prefill forward (longer prompts run in chunks)
+PREFILL_CHUNK = 512     # prompt tokens per row per prefill forward (longer prompts run in chunks)
+PREFILL_TOKENS = 8192   # padded tokens per prefill forward (several rows at once)
 FRAGMENTATION = 0.06    # share of free memory left to the allocator's rounding and fragmentation
 FIXED_MARGIN = 1 * GIB  # CUDA graphs' private pools, cuBLAS workspaces, kernels built at first use
 
@@ -55,15 +57,18 @@ def step_workspace(config, dtype: torch.dtype, rows: int) -> int:
     return rows * (s["vocab"] * per_entry + act)
 
 
-def prefill_workspace(config, dtype: torch.dtype, capacity: int, chunk: int = PREFILL_CHUNK) -> int:
-    """Bytes one prefill chunk needs: activations of Q tokens, fp32 attention scores Q x C per head
-    (a kernel that does not materialise them needs less), the last token's logits."""
+def prefill_workspace(config, dtype: torch.dtype, capacity: int, rows: int) -> int:
+    """Bytes one prefill forward needs (generate/prefill.py): at most T = PREFILL_TOKENS padded tokens
+    of activations and folded attention bias over C slots, the rows' gathered K and V (at most T/Q rows
+    reach C slots; shorter ones attend to fewer), and the last tokens' logits of every row."""
     s = _shape(config)
-    q = min(chunk, capacity)
     elt = torch.empty(0, dtype=dtype).element_size()
-    act = q * (6 * s["hidden"] + 3 * s["intermediate"]) * elt
-    scores = q * capacity * s["heads"] * 4
-    return act + scores + s["vocab"] * 4
+    T, C, Q = PREFILL_TOKENS, capacity, PREFILL_CHUNK
+    act = T * (6 * s["hidden"] + 3 * s["intermediate"]) * elt
+    bias = T * (s["heads"] // s["kv_heads"]) * C * elt + T * C          # the additive bias and the visibility
+    kv = max(T, (T // Q) * C) * s["kv_heads"] * s["head_dim"] * elt * 2
+    logits = min(rows, T) * s["vocab"] * (elt + 4 + 4)                    # head output, fp32, sampling
+    return act + bias + kv + logits
 
 
 @dataclass
@@ -90,7 +95,7 @@ def plan_rows(config, dtype: torch.dtype, capacity: int, free_bytes: int, *, max
               batch_tokens: int | None = None) -> RowBudget:
     """The rows that fit `free_bytes` (or the rows `batch_tokens` asks for, refused if they do not fit)."""
     per_token = kv_bytes_per_token(config, dtype)
-    prefill = prefill_workspace(config, dtype, capacity)
+    prefill = prefill_workspace(config, dtype, capacity, max_rows)
     margin = int(free_bytes * FRAGMENTATION) + FIXED_MARGIN
     per_row = capacity * per_token + step_workspace(config, dtype, 1)
     fits = max(0, (free_bytes - margin - prefill) // per_row)
@@ -131,8 +136,8 @@ def open_rows(model, cfg, device: torch.device, line, max_rows: int = MAX_ROWS):
             raise DFlashError(f"--batch-tokens {cfg.batch_tokens} is less than one sequence of --max-length {capacity}")
         per_token = kv_bytes_per_token(model.config, dtype)
         budget = RowBudget(rows, capacity, per_token, rows * capacity * per_token,
-                           step_workspace(model.config, dtype, rows), prefill_workspace(model.config, dtype, capacity),
-                           0, 0)
+                           step_workspace(model.config, dtype, rows),
+                           prefill_workspace(model.config, dtype, capacity, rows), 0, 0)
     line.say(budget.text())
     return make_rows(model, budget.rows, capacity, device)
 
@@ -145,17 +150,20 @@ class RunnerRows:
 
     def __init__(self, model, num_rows: int, capacity: int):
         from dflash_pipeline.decoding.runner import DecodingRunner
+        from dflash_pipeline.eval.models import Target
 
         self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK)
         self.num_rows, self.capacity, self.device = num_rows, capacity, self.runner.device
         self.io = self.runner.inputs(1)
+        self.head = Target(model).logits   # the LM head with the target's logit scale and soft-capping
 
     def reset_row(self, row: int) -> None:
         self.runner.reset(row)
 
-    def prefill_row(self, row: int, ids_P: torch.Tensor) -> torch.Tensor:
-        logits_1V, _ = self.runner.prefill(row, ids_P)
-        return logits_1V[0]
+    def prefill_rows(self, rows: list[int], prompts: list[torch.Tensor]) -> torch.Tensor:
+        from dflash_pipeline.generate.prefill import prefill_rows
+
+        return prefill_rows(self.runner, rows, prompts, head=self.head, chunk=PREFILL_CHUNK, max_tokens=PREFILL_TOKENS)
 
     def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
         self.io.ids_Rq[:, 0].copy_(tokens_R)
