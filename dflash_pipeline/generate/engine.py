@@ -14,8 +14,9 @@ module only decides what each row does, and keeps the device busy while deciding
   token. That step writes one K/V slot past the reply, inside the row's capacity (a reply may use
   `capacity - prompt` tokens, and that last slot is the one the wasted step fills); the row is
   reset before its next prompt.
-- A row is reset as soon as its reply ends. Rows without work (at the end of a run) keep stepping,
-  since the step's shape is fixed, and are reset again before they could fill their capacity.
+- A row is reset as soon as its reply ends. Rows without work (waiting for a refill, or at the end
+  of a run) keep stepping, since the step's shape is fixed, and are reset every `PARK_AT` steps: a
+  runner may attend to as many slots as its longest row needs, and idle rows must not be that row.
 - Freed rows are refilled together once `refill_at` of them (1/16 of the rows) are free, or when no
   row is busy: one prefill forward for many prompts instead of one each (an eager forward costs the
   same host time whatever its size). The rows waiting meanwhile cost a few steps of 1/16 of the batch.
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 from dflash_pipeline.generate.sampling import sample_rows
+
+PARK_AT = 64   # an idle row is reset after this many steps (it must never be a runner's longest row)
 
 
 class DecodeRows(Protocol):
@@ -182,11 +185,11 @@ class Engine:
             source.finished(Finished(req, out, finish))
 
     def _park_idle(self) -> None:
-        """Reset idle rows before their ever-stepping sequence could reach the row's capacity."""
+        """Reset idle rows before their ever-stepping sequence grows long (or reaches the capacity)."""
         for row in range(self.R):
             if self._req[row] is None:
                 self._idle_steps[row] += 1
-                if self._idle_steps[row] >= self.rows.capacity - 1:
+                if self._idle_steps[row] >= min(PARK_AT, self.rows.capacity - 1):
                     self.rows.reset_row(row)
                     self._idle_steps[row] = 0
 
