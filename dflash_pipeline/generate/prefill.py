@@ -35,24 +35,23 @@ class RowsState(StepState):
     """A `StepState` over the rows `rows_n` (any set, any order) of the runner's buffers."""
 
     def __init__(self, runner: DecodingRunner, rows_n: torch.Tensor, q: int, slots: int):
-        n = rows_n.numel()
-        dev = runner.device
+        n, dev = rows_n.numel(), runner.device
+        lengths_n = runner.lengths_R.index_select(0, rows_n)
         self.rows_n = rows_n
+        self.write_nq = lengths_n[:, None] + torch.arange(q, device=dev)
         slot_pos_nS = runner.slot_pos_RS.index_select(0, rows_n)
-        super().__init__(runner.kv, slice(None), runner.lengths_R.index_select(0, rows_n),
-                         torch.arange(q, device=dev)[None].expand(n, q),
+        super().__init__(runner.kv, rows_n, lengths_n, torch.arange(q, device=dev)[None].expand(n, q),
                          torch.ones(q, q, dtype=torch.bool, device=dev).tril()[None].expand(n, q, q),
-                         slot_pos_nS, slots)
+                         slot_pos_nS, slots, groups=runner.groups, windows=runner.windows)
         runner.slot_pos_RS.index_copy_(0, rows_n, slot_pos_nS)  # the new tokens' positions, for sliding windows
 
     def write(self, layer: int, key_nkqD: torch.Tensor, value_nkqD: torch.Tensor):
         n, hk, q, _ = key_nkqD.shape
-        rows = self.rows_n[:, None, None].expand(n, hk, q)
-        heads = torch.arange(hk, device=key_nkqD.device)[None, :, None].expand(n, hk, q)
-        slots = self.write_Rq[:, None, :].expand(n, hk, q)
-        k_buf, v_buf = self.kv.keys[layer], self.kv.values[layer]
-        k_buf.index_put_((rows, heads, slots), key_nkqD.to(k_buf.dtype))
-        v_buf.index_put_((rows, heads, slots), value_nkqD.to(v_buf.dtype))
+        at = (self.rows_n[:, None, None].expand(n, hk, q), torch.arange(hk, device=key_nkqD.device)[None, :, None]
+              .expand(n, hk, q), self.write_nq[:, None, :].expand(n, hk, q))
+        k_buf, v_buf = self.kv.keys_L[layer], self.kv.values_L[layer]   # [R, hk, S, D]
+        k_buf.index_put_(at, key_nkqD.to(k_buf.dtype))
+        v_buf.index_put_(at, value_nkqD.to(v_buf.dtype))
         return (k_buf.index_select(0, self.rows_n)[:, :, :self.slots],
                 v_buf.index_select(0, self.rows_n)[:, :, :self.slots])
 
