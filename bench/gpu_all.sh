@@ -4,7 +4,7 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval codecs train-step replica ddp disk attention
+#   PART: cuda-tests extract train-store eval codecs train-step replica ddp disk attention generate
 #         (default: all but replica, ddp, disk and attention, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
@@ -15,7 +15,8 @@
 #         PROFILE_WINDOW=FIRST:COUNT (extract: profile those batches, pipeline and compute-only)
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
-#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP: seconds per part
+#         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP,
+#         LIMIT_GENERATE: seconds per part   GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
@@ -89,6 +90,11 @@ with open(sys.argv[1] + "/prompts.jsonl", "w") as f:
 EOF
     part eval 90 "$py" -m dflash_pipeline eval --drafter "$work/run/final" --target "$work/qwen3-8b-random" \
       --prompts "$work/prompts.jsonl" --num-prompts 8 --max-new-tokens 64 ;;
+  generate)
+    # dflash generate's engine against transformers' padded generate() and its continuous batching, same
+    # prompts, same run; SmolLM2- and Qwen3-8B-shaped random targets; the 8B step against the bandwidth bound.
+    part generate "${LIMIT_GENERATE:-480}" "$py" bench/generate.py --tokenizer "$tok" --work "$work" \
+      --json "$out/generate.json" ${GENERATE_ARGS:-} "${smoke[@]}" ;;
   codecs)
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
   train-step)
