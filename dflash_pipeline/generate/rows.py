@@ -86,9 +86,9 @@ class RowBudget:
         return asdict(self)
 
     def text(self) -> str:
+        free = f", of {self.free_bytes / GIB:.1f} GiB free" if self.free_bytes else ""   # 0: not planned (CPU)
         return (f"{self.rows} sequences in flight x {self.capacity} tokens: KV cache {self.kv_bytes / GIB:.1f} GiB, "
-                f"step and prefill workspace {(self.step_bytes + self.prefill_bytes) / GIB:.1f} GiB, "
-                f"of {self.free_bytes / GIB:.1f} GiB free")
+                f"step and prefill workspace {(self.step_bytes + self.prefill_bytes) / GIB:.1f} GiB{free}")
 
 
 def plan_rows(config, dtype: torch.dtype, capacity: int, free_bytes: int, *, max_rows: int = MAX_ROWS,
