@@ -52,8 +52,9 @@ class RowsState(StepState):
         k_buf, v_buf = self.kv.keys_L[layer], self.kv.values_L[layer]   # [R, hk, S, D]
         k_buf.index_put_(at, key_nkqD.to(k_buf.dtype))
         v_buf.index_put_(at, value_nkqD.to(v_buf.dtype))
-        return (k_buf.index_select(0, self.rows_n)[:, :, :self.slots],
-                v_buf.index_select(0, self.rows_n)[:, :, :self.slots])
+        # Only the attended slots of these rows are copied.
+        return (k_buf[:, :, :self.slots].index_select(0, self.rows_n),
+                v_buf[:, :, :self.slots].index_select(0, self.rows_n))
 
 
 @torch.inference_mode()
