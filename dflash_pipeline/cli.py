@@ -180,7 +180,7 @@ def generate(
     target: Optional[str] = typer.Option(None, "--target", help="HF model folder, hub id in the local cache, or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Regenerate at most this many conversations."),
     max_new_tokens: int = typer.Option(2048, "--max-new-tokens", help="Tokens per reply; a reply that reaches it is kept and marked truncated."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", help="Prompt + reply tokens per sequence (default: the target's limit, at most 8192)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="Prompt + reply tokens per sequence (default 4096, or the target's limit if lower); a longer conversation ends its replay there."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens whose probability reaches P."),
     top_k: int = typer.Option(0, "--top-k", help="Sample from the K most likely tokens (0: all)."),

@@ -38,7 +38,10 @@ from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.chat_template import unused_template_kwargs
 from dflash_pipeline.schemas.generate import GENERATE_FORMAT, GenerateConfig, output_diff
 
-DEFAULT_MAX_LENGTH = 8192   # rows hold prompt + reply; the target's own limit when lower
+# Tokens per sequence (prompt + reply), the target's own limit when lower. Training reads at most
+# --max-length tokens of a sample (3072 in the paper's recipe; extraction cuts at 2048 by default): a
+# longer conversation costs KV cache, hence sequences in flight, for tokens no drafter sees.
+DEFAULT_MAX_LENGTH = 4096
 
 
 @dataclass

@@ -71,7 +71,7 @@ class GenerateConfig:
     data: list[str] = field(default_factory=list)   # empty: the embedded ShareGPT conversations (train split)
     limit: int | None = None             # conversations (usable rows) to regenerate
     max_new_tokens: int = 2048           # per reply
-    max_length: int | None = None        # prompt + reply tokens per sequence; None: the target's, capped at 8192
+    max_length: int | None = None        # prompt + reply tokens per sequence; None: 4096 (or the target's limit)
     temperature: float = 0.0             # 0: greedy
     top_p: float = 1.0
     top_k: int = 0                       # 0: the whole vocabulary
