@@ -13,13 +13,10 @@ import warnings
 import pytest
 import torch
 
-from dflash_pipeline.train.blocks import (
-    IGNORE_LABEL, anchor_candidates, build_blocks, default_gamma, pad_anchors, sample_anchors,
-)
+from dflash_pipeline.method import block_input_ids, choose_mask_token_id, default_gamma, default_layer_ids
+from dflash_pipeline.train.blocks import IGNORE_LABEL, anchor_candidates, build_blocks, pad_anchors, sample_anchors
 from dflash_pipeline.train.export import export_drafter
-from dflash_pipeline.train.model import (
-    DFlashDrafter, DrafterConfig, block_input_ids, choose_mask_token_id, default_layer_ids, init_drafter_weights,
-)
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
 H, F_N, V, B = 32, 3, 64, 8
 

@@ -32,6 +32,7 @@ from dflash_pipeline.extract.target import (
     DTYPES, TargetRunner, config_hash, env_rank, load_target, resolve_target, text_config, tokenizer_files,
     tokenizer_identity, visible_gpus,
 )
+from dflash_pipeline.method import default_layer_ids
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
@@ -62,12 +63,6 @@ class Prepared:
     data_report: dict[str, Any] = field(default_factory=dict)
 
 
-def default_layers(num_layers: int, n: int) -> list[int]:
-    from dflash_pipeline.train.model import default_layer_ids
-
-    return default_layer_ids(num_layers, n)
-
-
 def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -81,7 +76,7 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     tconfig = AutoConfig.from_pretrained(target_path)
     tcfg = text_config(tconfig)
     num_layers = tcfg.num_hidden_layers
-    layer_ids = list(cfg.layers) if cfg.layers else default_layers(num_layers, cfg.num_features)
+    layer_ids = list(cfg.layers) if cfg.layers else default_layer_ids(num_layers, cfg.num_features)
     if any(k < 0 or k >= num_layers for k in layer_ids):
         raise DFlashError(f"--layers {layer_ids}: the target has {num_layers} decoder layers (ids 0..{num_layers - 1})")
     tokenizer = AutoTokenizer.from_pretrained(target_path)

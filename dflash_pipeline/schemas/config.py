@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_pipeline.method import GAMMA_BY_BLOCK_SIZE, gamma_table_text
+
 CODEC_NAMES = ("bf16", "fp8")
 
 
@@ -79,7 +81,7 @@ class TrainConfig:
     num_layers: int = 5
     block_size: int = 16
     max_anchors: int = 512               # per sample per step
-    gamma: float | None = None           # None: 7 for B=16, 5 for 10, 4 for 8
+    gamma: float | None = None           # None: the published value for the block size (method.py)
     kl_weight: float = 0.0
     cap_weight: float = 0.0
     feature_noise: float = 0.0
@@ -115,7 +117,7 @@ class TrainConfig:
     num_procs: int | None = None         # CPU only: DDP processes (tests of the multi-process path)
     loss_chunk: int = 4096
     layers: list[int] | None = None      # target layers to use (default: every layer in the store)
-    mask_token_id: int | None = None     # default: the method's rule (see train/model.py)
+    mask_token_id: int | None = None     # default: the method's rule (see method.py)
     stop_after: int | None = None        # checkpoint and exit after this many steps of this invocation
     quiet: bool = False
 
@@ -144,9 +146,9 @@ class TrainConfig:
             raise ValueError("--checkpoint-layers must be >= 0")
         if self.ddp_bucket_mb <= 0:
             raise ValueError("--ddp-bucket-mb must be > 0")
-        if self.gamma is None and self.block_size not in (8, 10, 16):
+        if self.gamma is None and self.block_size not in GAMMA_BY_BLOCK_SIZE:
             raise ValueError(f"--gamma: no published loss decay for block size {self.block_size} "
-                             "(7 for 16, 5 for 10, 4 for 8); pass --gamma")
+                             f"({gamma_table_text()}); pass --gamma")
         if self.tokens_per_batch % self.max_length:
             raise ValueError(f"--tokens-per-batch ({self.tokens_per_batch}) must be a multiple of "
                              f"--max-length ({self.max_length}): a batch is rows of max-length tokens")

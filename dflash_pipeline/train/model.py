@@ -112,39 +112,6 @@ class DrafterConfig:
         return cls(**d)
 
 
-def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Target layers whose outputs feed the drafter: n=1 -> [L//2], else spread over 1 .. L-3."""
-    if n < 1 or num_target_layers < 1:
-        raise ValueError(f"need n >= 1 features from a target of >= 1 layers, got n={n}, L={num_target_layers}")
-    if n == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    ids = [round(1 + (i * span) / (n - 1)) for i in range(n)]
-    if len(set(ids)) != n or min(ids) < 0:
-        raise ValueError(f"cannot pick {n} distinct feature layers from a target of {num_target_layers} "
-                         f"layers; pass target_layer_ids explicitly")
-    return ids
-
-
-def choose_mask_token_id(config_value: int | None, tokenizer, embedding_rows: int) -> int:
-    """The config's mask id, else the tokenizer's mask token, else the first row past the tokenizer."""
-    if config_value is not None:
-        if not 0 <= int(config_value) < embedding_rows:
-            raise ValueError(f"mask_token_id {config_value} is outside the target's embedding table "
-                             f"({embedding_rows} rows)")
-        return int(config_value)
-    tokenizer_mask = getattr(tokenizer, "mask_token_id", None)
-    if tokenizer_mask is not None and 0 <= tokenizer_mask < embedding_rows:
-        return int(tokenizer_mask)
-    if len(tokenizer) < embedding_rows:
-        return len(tokenizer)
-    raise ValueError(
-        f"no mask token: the tokenizer has no mask token and all {embedding_rows} embedding rows are "
-        f"used by its {len(tokenizer)} tokens; set mask_token_id in the config (e.g. a reserved or "
-        f"rarely used special token id)"
-    )
-
-
 def init_drafter_weights(model: "DFlashDrafter", std: float = 0.02, generator: torch.Generator | None = None):
     """Normal(0, std) linears and unit norms, as HF initialises Qwen3."""
     with torch.no_grad():
@@ -404,13 +371,6 @@ class DFlashDrafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def block_input_ids(anchor_ids: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """[..., B] token ids [anchor, MASK, ..., MASK] for anchor ids [...]."""
-    out = torch.full((*anchor_ids.shape, block_size), mask_token_id, dtype=torch.long, device=anchor_ids.device)
-    out[..., 0] = anchor_ids
-    return out
-
-
 def count_parameters_for(cfg: DrafterConfig) -> int:
     """Parameter count without allocating weights."""
     with torch.device("meta"):
@@ -418,6 +378,6 @@ def count_parameters_for(cfg: DrafterConfig) -> int:
 
 
 __all__ = [
-    "DrafterConfig", "DFlashDrafter", "DrafterCache", "RMSNorm", "default_layer_ids", "choose_mask_token_id",
-    "init_drafter_weights", "rope_cos_sin", "block_input_ids", "count_parameters_for",
+    "DrafterConfig", "DFlashDrafter", "DrafterCache", "RMSNorm", "init_drafter_weights", "rope_cos_sin",
+    "count_parameters_for",
 ]

@@ -24,15 +24,15 @@ import torch
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.target import env_rank, visible_gpus
+from dflash_pipeline.method import choose_mask_token_id, default_gamma
 from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import TrainConfig
 from dflash_pipeline.schemas.store import LAYER_CONVENTION
 from dflash_pipeline.store.reader import StoreReader
-from dflash_pipeline.train.blocks import default_gamma
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
 from dflash_pipeline.train.evaluate import evaluate
-from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, choose_mask_token_id, init_drafter_weights
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 from dflash_pipeline.train.step import (NOISE_STREAM, Frozen, draw_anchors, flops_from_totals, run_blocks,
                                         step_generator)
 
@@ -51,7 +51,10 @@ def drafter_config_for(cfg: TrainConfig, reader: StoreReader) -> DrafterConfig:
     if missing:
         raise DFlashError(f"--layers {missing} are not in the store (it has {reader.meta.layer_ids})")
     tokenizer = reader.load_tokenizer()
-    mask_id = pick_mask_token(cfg.mask_token_id, tokenizer, attrs["vocab_size"])
+    try:
+        mask_id = choose_mask_token_id(cfg.mask_token_id, tokenizer, attrs["vocab_size"])
+    except ValueError as e:
+        raise DFlashError(str(e) if cfg.mask_token_id is not None else f"{e}; pass --mask-token-id") from None
     rope = tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     layer_types = ["sliding_attention" if i in cfg.swa_layers else "full_attention" for i in range(cfg.num_layers)]
     return DrafterConfig(
@@ -63,21 +66,6 @@ def drafter_config_for(cfg: TrainConfig, reader: StoreReader) -> DrafterConfig:
         max_position_embeddings=tc.get("max_position_embeddings", 32768), layer_types=layer_types,
         sliding_window=cfg.sliding_window,
     )
-
-
-def pick_mask_token(configured: int | None, tokenizer, embedding_rows: int) -> int:
-    """The method's rule (config, tokenizer's mask token, first free embedding row); for targets
-    whose vocabulary fills the table (SmolLM2), a special token that the chat template never emits."""
-    try:
-        return choose_mask_token_id(configured, tokenizer, embedding_rows)
-    except ValueError as e:
-        template = str(tokenizer.chat_template or "")
-        used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-        added = sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
-        for tid, tok in reversed(added):
-            if tok.special and tok.content not in template and tid not in used and 0 <= tid < embedding_rows:
-                return int(tid)
-        raise DFlashError(f"{e}; pass --mask-token-id") from None
 
 
 def check_store_fits(cfg: TrainConfig, reader: StoreReader) -> None:
