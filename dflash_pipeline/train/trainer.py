@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import torch
 
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.extract.target import env_rank, visible_gpus
+from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.method import choose_mask_token_id, default_gamma
 from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import TrainConfig
@@ -114,64 +112,32 @@ def _lr_at(cfg: TrainConfig, step: int, total: int) -> float:
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
-    """Entry point of `dflash train`. Returns the final summary (on rank 0)."""
-    launched = env_rank()
-    if launched is not None:
-        kind = "cpu" if (cfg.device == "cpu" or visible_gpus() == 0) else "cuda"
-        return train_rank(cfg, *launched, kind)
-    gpus = visible_gpus()
-    if cfg.device == "cpu" or (cfg.device == "auto" and gpus == 0):
-        kind, n = "cpu", cfg.num_procs or 1
-    else:
-        if gpus == 0:
-            raise DFlashError("--device cuda asked for, but no GPU is visible")
-        kind, n = "cuda", gpus if cfg.gpus == "all" else int(cfg.gpus)
-        if n > gpus:
-            raise DFlashError(f"--gpus {n}: only {gpus} GPUs are visible")
+    """Entry point of `dflash train`. Returns the final summary (of rank 0)."""
+    proc = launched(cfg.device)
+    if proc is not None:
+        return train_rank(proc, cfg)
+    kind, nprocs = plan_processes(cfg.device, cfg.gpus, cfg.num_procs)
     check_store_fits(cfg, StoreReader(cfg.store))   # user errors before any process starts
-    if n == 1:
-        return train_rank(cfg, 0, 1, 0, kind)
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_spawn_entry, args=(cfg, n, kind, port, results), nprocs=n, join=True, start_method="spawn")
-    out: dict[str, Any] = {}
-    while not results.empty():
-        rank, res = results.get()
-        if rank == 0:
-            out = res
-    return out
+    return launch(train_rank, (cfg,), nprocs=nprocs, kind=kind)[0]
 
 
-def _spawn_entry(rank: int, cfg: TrainConfig, world: int, kind: str, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    results.put((rank, train_rank(cfg, rank, world, rank, kind)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: str) -> dict[str, Any]:
+def train_rank(proc: Proc, cfg: TrainConfig) -> dict[str, Any]:
+    """One training process: its device, the process group when there are several, the run."""
+    device = bind_device(proc)
+    if proc.world == 1:
+        return _train(cfg, proc, device)
     import torch.distributed as dist
 
-    if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    owns_group = world > 1 and not dist.is_initialized()
-    if owns_group:
-        if kind == "cuda":
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
+    with process_group("nccl" if proc.kind == "cuda" else "gloo", device if proc.kind == "cuda" else None):
+        summary = _train(cfg, proc, device)
+        dist.barrier()
+    return summary
+
+
+def _train(cfg: TrainConfig, proc: Proc, device: torch.device) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank, world, local_rank, kind = proc.rank, proc.world, proc.local_rank, proc.kind
     line = LiveLine(enabled=rank == 0 and not cfg.quiet)
     run_dir = Path(cfg.out)
     reader = StoreReader(cfg.store)
@@ -374,10 +340,6 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: s
         else:
             why = f"signal {stop.signal}" if stop.signal else f"--stop-after {cfg.stop_after}"
             line.done(f"stopped at step {step}/{total} ({why}); checkpoint {ckpt}; continue with --resume")
-    if world > 1:
-        dist.barrier()
-    if owns_group:  # torchrun / accelerate may own the group; a group we made we also end (no exit warnings)
-        dist.destroy_process_group()
     return summary
 
 
