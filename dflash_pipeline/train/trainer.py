@@ -23,7 +23,7 @@ from dflash_pipeline import __version__
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.method import choose_mask_token_id, default_gamma
-from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_count, fmt_duration
+from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_duration
 from dflash_pipeline.schemas.config import TrainConfig
 from dflash_pipeline.schemas.store import LAYER_CONVENTION
 from dflash_pipeline.store.reader import StoreReader
@@ -31,10 +31,9 @@ from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, lo
 from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
 from dflash_pipeline.train.evaluate import evaluate
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-from dflash_pipeline.train.step import (NOISE_STREAM, Frozen, draw_anchors, flops_from_totals, run_blocks,
-                                        step_generator)
-
-PEAK_BF16_FLOPS = 790e12   # measured bf16 matmul peak of one H200 (see BENCHMARKS.md)
+from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
+                                           render_train_line)
+from dflash_pipeline.train.step import NOISE_STREAM, Frozen, draw_anchors, run_blocks, step_generator
 
 
 def drafter_config_for(cfg: TrainConfig, reader: StoreReader) -> DrafterConfig:
@@ -203,7 +202,8 @@ def _train(cfg: TrainConfig, proc: Proc, device: torch.device) -> dict[str, Any]
             "steps_total": total, "steps_per_epoch": per_epoch, "store": {"url": cfg.store, "fingerprint": store_fp,
             "meta": reader.meta.to_dict()}, "tool_version": __version__}, indent=1))
     metrics = JsonlLog(run_dir / "metrics.jsonl") if rank == 0 else None
-    trackers = _Trackers(cfg, run_dir) if rank == 0 else None
+    trackers = Trackers(run_dir, wandb_project=cfg.wandb, tensorboard=cfg.tensorboard, config=cfg.to_dict()) \
+        if rank == 0 else None
 
     stop = _StopFlag()
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} \
@@ -224,7 +224,7 @@ def _train(cfg: TrainConfig, proc: Proc, device: torch.device) -> dict[str, Any]
         return _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device, autocast, step,
                         metrics, trackers, line)
 
-    acc = _Accum(device, dcfg)
+    acc = IntervalMetrics(device, dcfg)
     t_run, started_step, t_log = time.time(), step, time.time()
     loader.data_wait = 0.0
     first_log = True
@@ -264,8 +264,7 @@ def _train(cfg: TrainConfig, proc: Proc, device: torch.device) -> dict[str, Any]
             steps_this_run += 1
             batch_in_epoch = last + 1
             epoch_done = batch_in_epoch + cfg.grad_accum > in_epoch  # no further full step this epoch
-            acc.grad_norm = acc.grad_norm + gnorm.detach().double()
-            acc.steps += 1
+            acc.add_step(gnorm)
             if world == 1:
                 stop.set = stop.requested
             elif step % 10 == 0 or step == total:
@@ -293,7 +292,7 @@ def _train(cfg: TrainConfig, proc: Proc, device: torch.device) -> dict[str, Any]
                 if rank == 0:
                     metrics.write({"type": "train", **rec})
                     trackers.log(rec, step)
-                    line.update(_render(rec, total), force=True)
+                    line.update(render_train_line(rec, total), force=True)
             elif rank == 0:
                 # Between logged steps: a line with no device sync (on a terminal every step, in a
                 # log every 30 s), so a slow first interval never looks like a hang.
@@ -353,102 +352,8 @@ def _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, de
     if rank == 0:
         metrics.write({"type": "eval", **res})
         trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, step)
-        line.say(f"eval @ step {step}: loss {res['loss']:.3f} acc {res['acc']:.3f} "
-                 f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f} ({res['samples']} samples)")
+        line.say(render_eval_line(res))
     return res
-
-
-class _Accum:
-    """Sums over a logging interval, kept on the device (no host sync per step), reduced over ranks
-    when logged. Slots of `v`: loss, ce, kl, cap, streak sum, blocks, labelled slots, then correct and
-    labelled counts per block slot; the counts known on the host (tokens, attention pairs) beside it."""
-
-    def __init__(self, device, dcfg):
-        self.device, self.dcfg, self.B = device, dcfg, dcfg.block_size
-        self.clear()
-
-    def clear(self):
-        self.t0 = time.time()
-        self.v = torch.zeros(7 + 2 * self.B, dtype=torch.float64, device=self.device)
-        self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.steps = self.micro = 0
-        self.input_tokens = self.block_tokens = self.context_tokens = 0
-        self.attn_pairs = 0.0
-
-    def add(self, out, context_tokens: int):
-        B = self.B
-        self.v[:7] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
-                                   out.streak_sum.double(), out.blocks.double(), out.count_B.sum().double()])
-        self.v[7:7 + B] += out.correct_B.double()
-        self.v[7 + B:] += out.count_B.double()
-        self.attn_pairs += out.attn_pairs
-        self.input_tokens += out.input_tokens
-        self.block_tokens += out.block_tokens
-        self.context_tokens += context_tokens
-        self.micro += 1
-
-    def reduce(self, world, dist) -> dict[str, Any]:
-        ints = torch.tensor([self.input_tokens, self.block_tokens, self.context_tokens, self.attn_pairs],
-                            dtype=torch.float64, device=self.device)
-        v = torch.cat([self.v, ints, self.grad_norm.view(1)])
-        if dist is not None:
-            dist.all_reduce(v)
-        v = v.cpu()
-        dt = max(time.time() - self.t0, 1e-9)
-        micro = max(self.micro, 1) * world
-        B = self.B
-        correct, count = v[7:7 + B], v[7 + B:7 + 2 * B]
-        input_tokens, block_tokens, context_tokens, attn_pairs, grad_norm = (float(x) for x in v[7 + 2 * B:])
-        flops = flops_from_totals(self.dcfg, block_tokens=block_tokens, context_tokens=context_tokens,
-                                  attn_pairs=attn_pairs, labelled=float(v[6]))
-        return {"loss": float(v[0] / micro), "ce": float(v[1] / micro), "kl": float(v[2] / micro),
-                "cap": float(v[3] / micro), "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
-                "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
-                "streak": float(v[4] / v[5].clamp_min(1)), "grad_norm": grad_norm / max(self.steps * world, 1),
-                "input_tok_s": input_tokens / dt, "block_tok_s": block_tokens / dt, "flops_per_s": flops / dt}
-
-
-def _render(rec: dict[str, Any], total: int) -> str:
-    mfu = f" MFU {rec['mfu']:.0%}" if rec.get("mfu") is not None else ""
-    mem = f" mem {rec['peak_mem_gb']:.1f}G" if rec.get("peak_mem_gb") is not None else ""
-    parts = f"ce {rec['ce']:.3f}" + (f" kl {rec['kl']:.3f}" if rec["kl"] else "") + (f" cap {rec['cap']:.3f}" if rec["cap"] else "")
-    return (f"step {rec['step']}/{total} ep {rec['epoch']:.2f} | loss {rec['loss']:.3f} ({parts}) acc {rec['acc']:.3f} "
-            f"streak {rec['streak']:.2f} | lr {rec['lr']:.2e} gn {rec['grad_norm']:.2f} | "
-            f"{fmt_count(rec['input_tok_s'])} tok/s {fmt_count(rec['block_tok_s'])} blk/s{mfu} | "
-            f"data-wait {rec['data_wait_frac']:.1%}{mem} | ETA {fmt_duration(rec['eta_s'])}")
-
-
-class _Trackers:
-    """Optional wandb / tensorboard mirrors of metrics.jsonl."""
-
-    def __init__(self, cfg: TrainConfig, run_dir: Path):
-        self.wandb = self.tb = None
-        if cfg.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise DFlashError("--wandb needs the wandb package: pip install wandb") from None
-            self.wandb = wandb.init(project=cfg.wandb, dir=str(run_dir), config=cfg.to_dict())
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise DFlashError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def log(self, rec: dict[str, Any], step: int) -> None:
-        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and v is not None}
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.tb is not None:
-            self.tb.close()
 
 
 def _epoch_groups(stream, n: int):
