@@ -20,7 +20,7 @@ H hidden, h heads, D head dim, T cached positions, n new context positions, B bl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_pipeline.train.kernels import EAGER, Kernels, kernels, out_dtype_for
-from dflash_pipeline.train.masks import MaskLayout, attend, build_mask, choose_backend, dense_mask
+from dflash_pipeline.train.masks import BACKENDS, MaskLayout, attend, build_mask, choose_backend, dense_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -110,6 +110,27 @@ class DrafterConfig:
         if unknown:
             raise ValueError(f"drafter config: unknown fields {unknown}")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """How the drafter computes, never what: its outputs (up to float rounding), its config and its
+    state dict are the same under every setting, so none of these is exported or saved."""
+
+    # The first `checkpoint_layers` layers recompute their activations in backward: each one
+    # checkpointed trades a layer's activations (7.7 GiB in the memory case) for its forward again.
+    checkpoint_layers: int = 0
+    # Elementwise chains (norms, residual adds, RoPE) as compiled fused kernels (kernels.py) in the
+    # training forward, and the loss's chunk math (run_blocks): None = on CUDA, False = eager
+    # everywhere (same numbers, ~150 ms more per step at the 8B shape), True = everywhere.
+    compile_kernels: bool | None = None
+    attn_backend: str | None = None  # None: flex on CUDA, dense elsewhere; or one of masks.BACKENDS
+
+    def __post_init__(self):
+        if self.checkpoint_layers < 0:
+            raise ValueError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
+        if self.attn_backend is not None and self.attn_backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend '{self.attn_backend}': use one of {', '.join(BACKENDS)}")
 
 
 def init_drafter_weights(model: "DFlashDrafter", std: float = 0.02, generator: torch.Generator | None = None):
@@ -251,21 +272,14 @@ class DrafterCache:
 class DFlashDrafter(nn.Module):
     """The trainable drafter. Embedding and LM head stay with the (frozen) target, outside this module."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, options: DrafterOptions | None = None):
         super().__init__()
         self.config = cfg
+        self.options = options or DrafterOptions()
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn_backend: str | None = None  # None: flex on CUDA, dense elsewhere
-        # The first `checkpoint_layers` layers recompute their activations in backward: each one
-        # checkpointed trades a layer's activations (7.7 GiB in the memory case) for its forward again.
-        self.checkpoint_layers = 0
-        # Elementwise chains (norms, residual adds, RoPE) as compiled fused kernels (kernels.py) in the
-        # training forward: None = on CUDA, False = eager everywhere (same numbers, ~150 ms more per
-        # step at the 8B shape).
-        self.compile_kernels: bool | None = None
 
     def fuse(self, features_RSF: torch.Tensor, k: Kernels = EAGER) -> torch.Tensor:
         """Concatenated target features -> context hidden states [R, S, H]."""
@@ -276,6 +290,31 @@ class DFlashDrafter(nn.Module):
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x), out_dtype_for(x.device), k)
+
+    # Each option reads (and, for tests comparing paths on one set of weights, sets) through its name.
+    @property
+    def checkpoint_layers(self) -> int:
+        return self.options.checkpoint_layers
+
+    @checkpoint_layers.setter
+    def checkpoint_layers(self, n: int) -> None:
+        self.options = replace(self.options, checkpoint_layers=n)
+
+    @property
+    def compile_kernels(self) -> bool | None:
+        return self.options.compile_kernels
+
+    @compile_kernels.setter
+    def compile_kernels(self, on: bool | None) -> None:
+        self.options = replace(self.options, compile_kernels=on)
+
+    @property
+    def attn_backend(self) -> str | None:
+        return self.options.attn_backend
+
+    @attn_backend.setter
+    def attn_backend(self, name: str | None) -> None:
+        self.options = replace(self.options, attn_backend=name)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -308,7 +347,8 @@ class DFlashDrafter(nn.Module):
         """
         cfg = self.config
         dtype = self.fc.weight.dtype
-        compiled = self.compile_kernels if self.compile_kernels is not None else features_RSF.device.type == "cuda"
+        opts = self.options
+        compiled = opts.compile_kernels if opts.compile_kernels is not None else features_RSF.device.type == "cuda"
         k = kernels(compiled)
         ctx_RSH = self.fuse(features_RSF, k)
         h_RQH = block_embeds_RQH.to(dtype)
@@ -316,7 +356,7 @@ class DFlashDrafter(nn.Module):
         rope_q = self._rope(block_pos_RQ, dtype)
         layout = MaskLayout.for_training(ctx_pos_RS, ctx_doc_RS, block_pos_RQ, block_doc_RQ, block_id_RQ,
                                          cfg.block_size)
-        backend = choose_backend(h_RQH.device, self.attn_backend)
+        backend = choose_backend(h_RQH.device, opts.attn_backend)
         masks = {}
         for i in range(cfg.num_layers):
             kind = cfg.layer_mask_kind(i)
@@ -324,7 +364,7 @@ class DFlashDrafter(nn.Module):
                 masks[kind] = build_mask(layout, *kind, backend)
         for i, layer in enumerate(self.layers):
             mask = masks[cfg.layer_mask_kind(i)]
-            if i < self.checkpoint_layers and self.training and torch.is_grad_enabled():
+            if i < opts.checkpoint_layers and self.training and torch.is_grad_enabled():
                 # Eager inside the checkpoint: compiled autograd functions do not run under its hooks.
                 h_RQH = checkpoint(layer, h_RQH, ctx_RSH, rope_q, rope_ctx, mask, False, use_reentrant=False)
             else:
@@ -378,6 +418,6 @@ def count_parameters_for(cfg: DrafterConfig) -> int:
 
 
 __all__ = [
-    "DrafterConfig", "DFlashDrafter", "DrafterCache", "RMSNorm", "init_drafter_weights", "rope_cos_sin",
+    "DrafterConfig", "DrafterOptions", "DFlashDrafter", "DrafterCache", "RMSNorm", "init_drafter_weights", "rope_cos_sin",
     "count_parameters_for",
 ]

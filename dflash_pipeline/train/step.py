@@ -167,7 +167,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
                           chunk_size=loss_chunk_for(loss_chunk, head.shape[0]),
-                          compiled=False if getattr(core, "compile_kernels", None) is False else None)
+                          compiled=False if core.options.compile_kernels is False else None)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
     labelled_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_fill_(0, st.sel_N, True)
     correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_put_((st.sel_N,), res.correct_N)

@@ -33,7 +33,7 @@ from dflash_pipeline.train.evaluate import evaluate
 from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
-from dflash_pipeline.train.model import DFlashDrafter, init_drafter_weights
+from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
 from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, step_generator
 
 
@@ -124,11 +124,10 @@ class Trainer:
     def _build_model(self):
         cfg, dcfg, proc = self.cfg, self.dcfg, self.proc
         torch.manual_seed(cfg.seed)
-        model = DFlashDrafter(dcfg)
-        model.checkpoint_layers = dcfg.num_layers if cfg.activation_checkpointing else min(cfg.checkpoint_layers,
-                                                                                            dcfg.num_layers)
+        checkpointed = dcfg.num_layers if cfg.activation_checkpointing else min(cfg.checkpoint_layers, dcfg.num_layers)
+        model = DFlashDrafter(dcfg, DrafterOptions(checkpoint_layers=checkpointed,
+                                                   compile_kernels=None if cfg.compile else False))
         init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
-        model.compile_kernels = None if cfg.compile else False
         model.to(self.device)
         self.line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, "
                       f"{model.num_parameters() / 1e6:.1f}M trainable parameters; block {dcfg.block_size}, features "
