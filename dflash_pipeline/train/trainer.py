@@ -5,6 +5,11 @@ per GPU (spawned here, or given by torchrun / accelerate launch), DDP over the d
 autocast with fp32 master weights and AdamW, cosine schedule with warmup, clipping, accumulation,
 optional EMA. Checkpoints go out periodically, on SIGTERM/SIGINT and on `--stop-after`; `--resume`
 continues exactly (same anchors, noise and batches) and refuses another store or config.
+
+`run_train` launches the processes (launch.py); each runs `train_rank`: a `Trainer` is built (model,
+optimizer, loader, frozen tensors), resumed if asked, and its `train()` loop runs: step, then maybe
+log, evaluate, save. Metrics live in metrics.py, the held-out estimate in heldout.py, what comes from
+the store in from_store.py.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.method import default_gamma
 from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_duration
-from dflash_pipeline.schemas.config import TrainConfig
+from dflash_pipeline.schemas.config import OptimConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
@@ -50,22 +55,23 @@ class _StopFlag:
         self.signal = signum
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+def lr_at(optim: OptimConfig, step: int, total: int) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
-    warm = int(cfg.warmup_ratio * total)
+    warm = int(optim.warmup_ratio * total)
     if step < warm:
-        return cfg.lr * (step + 1) / warm
+        return optim.lr * (step + 1) / warm
     progress = (step - warm) / max(1, total - warm)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine)
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """Entry point of `dflash train`. Returns the final summary (of rank 0)."""
-    proc = launched(cfg.device)
+    proc = launched(cfg.runtime.device)
     if proc is not None:
         return train_rank(proc, cfg)
-    kind, nprocs = plan_processes(cfg.device, cfg.gpus, cfg.num_procs)
-    check_store_fits(cfg, StoreReader(cfg.store))   # user errors before any process starts
+    kind, nprocs = plan_processes(cfg.runtime.device, cfg.runtime.gpus, cfg.runtime.num_procs)
+    check_store_fits(cfg, StoreReader(cfg.data.store))   # user errors before any process starts
     return launch(train_rank, (cfg,), nprocs=nprocs, kind=kind)[0]
 
 
@@ -76,7 +82,7 @@ def train_rank(proc: Proc, cfg: TrainConfig) -> dict[str, Any]:
     with process_group("nccl" if cuda else "gloo", device if cuda else None) if proc.world > 1 \
             else contextlib.nullcontext():
         trainer = Trainer(cfg, proc, device)
-        if cfg.resume:
+        if cfg.output.resume:
             trainer.resume()
         summary = trainer.train()
         if proc.world > 1:
@@ -94,25 +100,28 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, proc: Proc, device: torch.device):
         self.cfg, self.proc, self.device = cfg, proc, device
         self.dist = dist if proc.world > 1 else None   # collectives only with several ranks
-        self.line = LiveLine(enabled=proc.is_main and not cfg.quiet)
-        self.run_dir = Path(cfg.out)
-        self.reader = StoreReader(cfg.store)
+        self.line = LiveLine(enabled=proc.is_main and not cfg.output.quiet)
+        self.run_dir = Path(cfg.output.out)
+        self.reader = StoreReader(cfg.data.store)
         check_store_fits(cfg, self.reader)
-        self.line.say(f"opening store {cfg.store}: {self.reader.num_samples:,} samples, {self.reader.num_tokens:,} "
-                      f"tokens, layers {self.reader.meta.layer_ids}, codec {self.reader.meta.codec}")
-        self.dcfg = drafter_config_for(cfg, self.reader)
-        self.gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
+        r = self.reader
+        self.line.say(f"opening store {cfg.data.store}: {r.num_samples:,} samples, {r.num_tokens:,} tokens, "
+                      f"layers {r.meta.layer_ids}, codec {r.meta.codec}")
+        self.dcfg = drafter_config_for(cfg.model, self.reader)
+        self.gamma = cfg.loss.gamma if cfg.loss.gamma is not None else default_gamma(cfg.model.block_size)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
         self.model, self.ddp = self._build_model()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.weight_decay, fused=proc.kind == "cuda")
-        self.loader = StreamingLoader(self.reader, layers=self.dcfg.target_layer_ids, rank=proc.rank,
-                                      world=proc.world, seed=cfg.seed, row_len=cfg.max_length,
-                                      rows_per_batch=cfg.rows_per_batch, eval_fraction=cfg.eval_fraction,
-                                      num_workers=cfg.num_workers, device=device, strict=cfg.strict)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.optim.weight_decay, fused=proc.kind == "cuda")
+        data = cfg.data
+        self.loader = StreamingLoader(r, layers=self.dcfg.target_layer_ids, rank=proc.rank, world=proc.world,
+                                      seed=cfg.seed, row_len=data.max_length, rows_per_batch=data.rows_per_batch,
+                                      eval_fraction=data.eval_fraction, num_workers=cfg.runtime.num_workers,
+                                      device=device, strict=cfg.runtime.strict)
         self.per_epoch, self.total = self._schedule_length()
-        self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()} if cfg.ema else None
+        self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()} \
+            if cfg.optim.ema else None
         self.store_fp = store_fingerprint(self.reader)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.stop = _StopFlag()
@@ -122,11 +131,12 @@ class Trainer:
         self.trackers: Trackers | None = None
 
     def _build_model(self):
-        cfg, dcfg, proc = self.cfg, self.dcfg, self.proc
+        """The drafter (initialised from the seed) and what steps run through: DDP with several ranks."""
+        cfg, dcfg, proc, rt = self.cfg, self.dcfg, self.proc, self.cfg.runtime
         torch.manual_seed(cfg.seed)
-        checkpointed = dcfg.num_layers if cfg.activation_checkpointing else min(cfg.checkpoint_layers, dcfg.num_layers)
+        checkpointed = dcfg.num_layers if rt.activation_checkpointing else min(rt.checkpoint_layers, dcfg.num_layers)
         model = DFlashDrafter(dcfg, DrafterOptions(checkpoint_layers=checkpointed,
-                                                   compile_kernels=None if cfg.compile else False))
+                                                   compile_kernels=None if rt.compile else False))
         init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
         model.to(self.device)
         self.line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, "
@@ -134,7 +144,7 @@ class Trainer:
                       f"from target layers {dcfg.target_layer_ids}, mask token {dcfg.mask_token_id}; "
                       f"{proc.world} process(es) on {proc.kind}")
         if proc.kind == "cuda":
-            self.line.say("the first step compiles FlexAttention" + (" and the fused kernels" if cfg.compile else "")
+            self.line.say("the first step compiles FlexAttention" + (" and the fused kernels" if rt.compile else "")
                           + " (about a minute, once per process; cached on disk for later runs)")
         if proc.world == 1:
             return model, model
@@ -142,17 +152,18 @@ class Trainer:
         # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[proc.local_rank] if proc.kind == "cuda" else None, gradient_as_bucket_view=True,
-            bucket_cap_mb=cfg.ddp_bucket_mb)
+            bucket_cap_mb=rt.ddp_bucket_mb)
         return model, ddp
 
     def _schedule_length(self) -> tuple[int, int]:
         """(optimizer steps per epoch, steps in the whole run)."""
-        cfg = self.cfg
-        per_epoch = self.loader.steps_per_epoch() // cfg.grad_accum
+        data, optim = self.cfg.data, self.cfg.optim
+        per_epoch = self.loader.steps_per_epoch() // optim.grad_accum
         if per_epoch == 0:
-            raise DFlashError(f"{cfg.store}: too little data for one step per rank ({self.loader.epoch_plan(0).rows_per_rank} "
-                              f"rows of {cfg.max_length} tokens per rank; a step takes {cfg.rows_per_batch * cfg.grad_accum})")
-        return per_epoch, cfg.steps if cfg.steps is not None else max(1, round(cfg.epochs * per_epoch))
+            rows = self.loader.epoch_plan(0).rows_per_rank
+            raise DFlashError(f"{data.store}: too little data for one step per rank ({rows} rows of {data.max_length} "
+                              f"tokens per rank; a step takes {data.rows_per_batch * optim.grad_accum})")
+        return per_epoch, optim.steps if optim.steps is not None else max(1, round(optim.epochs * per_epoch))
 
     # -- resume and save ---------------------------------------------------------------------------------
 
@@ -173,8 +184,10 @@ class Trainer:
         self.line.say(f"resumed from {path} at step {self.step}")
 
     def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint records besides the tensors: where the run is, and what it was run with."""
         return {"step": self.step, "config": self.cfg.to_dict(), "drafter": self.dcfg.to_dict(),
-                "store_fingerprint": self.store_fp, "loader": self.loader.state(self.epoch, self.batch_in_epoch).to_dict(),
+                "store_fingerprint": self.store_fp,
+                "loader": self.loader.state(self.epoch, self.batch_in_epoch).to_dict(),
                 "world_size": self.proc.world, "gamma": self.gamma, "time": time.time()}
 
     def save(self) -> Path | None:
@@ -183,7 +196,7 @@ class Trainer:
             return None
         return save_checkpoint(self.run_dir, self.step, model_state=self.model.state_dict(),
                                optim_state=self.opt.state_dict(), ema_state=self.ema,
-                               trainer_state=self.trainer_state(), keep=self.cfg.keep_checkpoints)
+                               trainer_state=self.trainer_state(), keep=self.cfg.output.keep_checkpoints)
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -194,15 +207,15 @@ class Trainer:
         with _signals_to(self.stop), self._steps() as steps:
             for place, batches in steps:
                 self.train_step(place, batches)
-                if self._due(cfg.log_every) or self.step == self.total or self.stop.set:
+                if self._due(cfg.output.log_every) or self.step == self.total or self.stop.set:
                     self.log()
                 else:
                     self._show_progress()
-                if self._due(cfg.eval_every) and len(self.eval_rows):
+                if self._due(cfg.output.eval_every) and len(self.eval_rows):
                     self.evaluate()
-                if self._due(cfg.save_every) and not self.stop.set:
+                if self._due(cfg.output.save_every) and not self.stop.set:
                     self.save()
-                if self.batch_in_epoch + cfg.grad_accum > self.in_epoch:  # no further full step this epoch
+                if self.batch_in_epoch + cfg.optim.grad_accum > self.in_epoch:  # no further full step this epoch
                     self._next_epoch()
                 if self.step >= self.total or self.stop.set:
                     break
@@ -218,31 +231,31 @@ class Trainer:
         place: (epoch, index of the last batch, batches in the epoch). Anchors and feature noise are
         drawn from (seed, rank, step), so a resumed run replays them.
         """
-        cfg, world = self.cfg, self.proc.world
+        cfg, loss, optim, world = self.cfg, self.cfg.loss, self.cfg.optim, self.proc.world
         self.epoch, last, self.in_epoch = place
         self.opt.zero_grad(set_to_none=True)
         g_anchors = step_generator(cfg.seed, self.proc.rank, self.step)
         g_noise = step_generator(cfg.seed, self.proc.rank, self.step, self.device, NOISE_STREAM)
         for i, b in enumerate(batches):
-            anchors = draw_anchors(b, cfg.max_anchors, g_anchors, cfg.block_size)
+            anchors = draw_anchors(b, loss.max_anchors, g_anchors, cfg.model.block_size)
             sync = world == 1 or i == len(batches) - 1   # gradients are all-reduced once, with the last
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                out = run_blocks(self.ddp, self.frozen, b, anchors, block_size=cfg.block_size,
-                                 mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma, kl_weight=cfg.kl_weight,
-                                 cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise,
-                                 loss_chunk=cfg.loss_chunk, g=g_noise, autocast=self.autocast)
+                out = run_blocks(self.ddp, self.frozen, b, anchors, block_size=cfg.model.block_size,
+                                 mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma, kl_weight=loss.kl_weight,
+                                 cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
+                                 loss_chunk=cfg.runtime.loss_chunk, g=g_noise, autocast=self.autocast)
                 (out.loss / len(batches)).backward()
             self.metrics.add(out, b.tokens.numel())
-        self.lr = lr_at(cfg, self.step, self.total)
+        self.lr = lr_at(optim, self.step, self.total)
         for group in self.opt.param_groups:
             group["lr"] = self.lr
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                               cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+                                               optim.grad_clip if optim.grad_clip > 0 else float("inf"))
         self.opt.step()
         if self.ema is not None:
             with torch.no_grad():
                 for k, v in self.model.state_dict().items():
-                    self.ema[k].mul_(cfg.ema).add_(v.float(), alpha=1 - cfg.ema)
+                    self.ema[k].mul_(optim.ema).add_(v.float(), alpha=1 - optim.ema)
         self.step += 1
         self.steps_this_run += 1
         self.batch_in_epoch = last + 1
@@ -259,12 +272,12 @@ class Trainer:
             flag = torch.tensor([float(stop.requested)], device=self.device)
             self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
             stop.set = bool(flag.item())
-        if self.cfg.stop_after is not None and self.steps_this_run >= self.cfg.stop_after:
+        if self.cfg.output.stop_after is not None and self.steps_this_run >= self.cfg.output.stop_after:
             stop.set = True
 
     def _next_epoch(self) -> None:
         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        if not self.cfg.eval_every and len(self.eval_rows) and self.step < self.total:
+        if not self.cfg.output.eval_every and len(self.eval_rows) and self.step < self.total:
             self.evaluate()
 
     # -- logging and evaluation --------------------------------------------------------------------------
@@ -276,25 +289,25 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps({
                 "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "world_size": proc.world,
-                "steps_total": self.total, "steps_per_epoch": self.per_epoch, "store": {
-                    "url": cfg.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
+                "steps_total": self.total, "steps_per_epoch": self.per_epoch,
+                "store": {"url": cfg.data.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
                 "tool_version": __version__}, indent=1))
             self.records = JsonlLog(self.run_dir / "metrics.jsonl")
-            self.trackers = Trackers(self.run_dir, wandb_project=cfg.wandb, tensorboard=cfg.tensorboard,
-                                     config=cfg.to_dict())
+            self.trackers = Trackers(self.run_dir, wandb_project=cfg.output.wandb,
+                                     tensorboard=cfg.output.tensorboard, config=cfg.to_dict())
         self.metrics = IntervalMetrics(self.device, self.dcfg)
         self.t_run, self.started_step, self.t_log = time.time(), self.step, time.time()
         self.loader.data_wait = 0.0
         self.first_log = True
         self.steps_this_run = 0
-        self.eval_rows = self.loader.eval_rows()[: cfg.eval_max_samples]
+        self.eval_rows = self.loader.eval_rows()[: cfg.output.eval_max_samples]
         self.model.train()
 
     @contextlib.contextmanager
     def _steps(self):
         """The loader's one stream of batches across epochs (its prefetch never drains at an epoch
         boundary), grouped into steps of --grad-accum batches of one epoch; closed with the loader."""
-        groups = _epoch_groups(self.loader.iter_from(self.epoch, self.batch_in_epoch), self.cfg.grad_accum)
+        groups = _epoch_groups(self.loader.iter_from(self.epoch, self.batch_in_epoch), self.cfg.optim.grad_accum)
         try:
             yield groups if self.step < self.total else ()
         finally:
@@ -326,16 +339,17 @@ class Trainer:
         # 30 s), so a slow first interval never looks like a hang.
         if self.proc.is_main:
             el = time.time() - self.t_run
+            eta = (self.total - self.step) * el / max(1, self.step - self.started_step)
             self.line.update(f"step {self.step:,}/{self.total:,}  {el:.0f}s  data wait {self.loader.data_wait:.1f}s  "
-                             f"ETA {fmt_duration((self.total - self.step) * el / max(1, self.step - self.started_step))}")
+                             f"ETA {fmt_duration(eta)}")
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out estimate (every rank its share of the held-out samples), logged by rank 0."""
         rank, world = self.proc.rank, self.proc.world
         self.model.eval()
-        res = evaluate(self.model, self.frozen, self.reader, self.eval_rows[rank::world], self.dcfg, gamma=self.gamma,
-                       device=self.device, autocast=self.autocast, max_anchors=self.cfg.max_anchors,
-                       loss_chunk=self.cfg.loss_chunk, world=world)
+        res = evaluate(self.model, self.frozen, self.reader, self.eval_rows[rank::world], self.dcfg,
+                       gamma=self.gamma, device=self.device, autocast=self.autocast,
+                       max_anchors=self.cfg.loss.max_anchors, loss_chunk=self.cfg.runtime.loss_chunk, world=world)
         self.model.train()
         res["step"] = self.step
         if self.proc.is_main:
@@ -369,7 +383,7 @@ class Trainer:
         from dflash_pipeline.train.export import export_drafter
 
         return export_drafter(self.ema or self.model.state_dict(), self.dcfg, self.run_dir / "final", extra={
-            "dflash_pipeline": {"store_fingerprint": self.store_fp, "step": self.step, "ema": self.cfg.ema,
+            "dflash_pipeline": {"store_fingerprint": self.store_fp, "step": self.step, "ema": self.cfg.optim.ema,
                                 "eval": self.last_eval, "tool_version": __version__}})
 
     def _final_words(self, summary: dict[str, Any], ckpt: Path | None) -> str:
@@ -377,7 +391,7 @@ class Trainer:
             tau = self.last_eval.get("tau_chain", 0)
             return (f"trained {self.step} steps in {fmt_duration(summary['seconds'])}; drafter exported to "
                     f"{summary['final']}" + (f"; held-out acceptance estimate tau {tau:.2f}" if self.last_eval else ""))
-        why = f"signal {self.stop.signal}" if self.stop.signal else f"--stop-after {self.cfg.stop_after}"
+        why = f"signal {self.stop.signal}" if self.stop.signal else f"--stop-after {self.cfg.output.stop_after}"
         return f"stopped at step {self.step}/{self.total} ({why}); checkpoint {ckpt}; continue with --resume"
 
 
