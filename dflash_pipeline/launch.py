@@ -5,8 +5,9 @@
 - otherwise `plan_processes` turns `--device` / `--gpus` into a device kind and a process count, and
   `launch` runs the entry function here (one process) or spawns one process per GPU (or per group of
   GPUs) with the environment a launcher would give them, and returns every rank's return value.
-Inside a process, `bind_device` picks its GPU (or its share of the CPU cores) and `process_group`
-creates the collective group unless a launcher already did.
+Inside a process, `bind_device` picks its GPU (or its share of the CPU cores), `process_group`
+creates the collective group unless a launcher already did, and `stop_signals` turns SIGTERM /
+SIGINT into a request to stop (a long run then ends its step and checkpoints).
 
 Work is divided by what a rank is given (segments, rows), never by which machine it runs on, so a
 restart with another number of processes is only another `world`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -153,5 +155,35 @@ def process_group(backend: str, device: torch.device | None = None):
         dist.destroy_process_group()
 
 
-__all__ = ["Proc", "bind_device", "env_rank", "free_port", "launch", "launched", "local_world_size",
-           "plan_processes", "process_gpus", "process_group", "visible_gpus"]
+class StopRequest:
+    """A request to stop: `requested` by SIGTERM / SIGINT in this process (see `stop_signals`), `set`
+    by the caller once it acts on it (with several ranks: once all ranks agree, so that they stop after
+    the same step)."""
+
+    def __init__(self):
+        self.requested = False
+        self.set = False
+        self.signal = None
+
+    def __call__(self, signum, frame):
+        self.requested = True
+        self.signal = signum
+
+
+@contextlib.contextmanager
+def stop_signals(stop: StopRequest):
+    """SIGTERM / SIGINT request `stop` inside the block instead of ending the process (main thread
+    only: Python delivers signals to no other); the previous handlers come back after it."""
+    import threading
+
+    caught = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    old = {s: signal.signal(s, stop) for s in caught}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+__all__ = ["Proc", "StopRequest", "bind_device", "env_rank", "free_port", "launch", "launched", "local_world_size",
+           "plan_processes", "process_gpus", "process_group", "stop_signals", "visible_gpus"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -27,32 +26,20 @@ import torch.distributed as dist
 
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
+from dflash_pipeline.launch import (Proc, StopRequest, bind_device, launch, launched, plan_processes,
+                                    process_group, stop_signals)
 from dflash_pipeline.method import default_gamma
 from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_duration
 from dflash_pipeline.schemas.config import OptimConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
-from dflash_pipeline.train.evaluate import evaluate
 from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
+from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
 from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
 from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, step_generator
-
-
-class _StopFlag:
-    """`requested` by a signal on this rank; `set` once every rank agrees to stop after this step."""
-
-    def __init__(self):
-        self.requested = False
-        self.set = False
-        self.signal = None
-
-    def __call__(self, signum, frame):
-        self.requested = True
-        self.signal = signum
 
 
 def lr_at(optim: OptimConfig, step: int, total: int) -> float:
@@ -124,7 +111,7 @@ class Trainer:
             if cfg.optim.ema else None
         self.store_fp = store_fingerprint(self.reader)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
-        self.stop = _StopFlag()
+        self.stop = StopRequest()
         self.last_eval: dict[str, Any] = {}
         self.lr, self.in_epoch, self.steps_this_run = 0.0, 1, 0
         self.records: JsonlLog | None = None    # rank 0's metrics.jsonl and trackers, from `train()`
@@ -204,7 +191,7 @@ class Trainer:
         """Step until the last step, a signal or --stop-after; log, evaluate and save on the way."""
         cfg = self.cfg
         self._start()
-        with _signals_to(self.stop), self._steps() as steps:
+        with stop_signals(self.stop), self._steps() as steps:
             for place, batches in steps:
                 self.train_step(place, batches)
                 if self._due(cfg.output.log_every) or self.step == self.total or self.stop.set:
@@ -299,8 +286,11 @@ class Trainer:
         self.t_run, self.started_step, self.t_log = time.time(), self.step, time.time()
         self.loader.data_wait = 0.0
         self.first_log = True
-        self.steps_this_run = 0
         self.eval_rows = self.loader.eval_rows()[: cfg.output.eval_max_samples]
+        self.heldout = HeldoutSet(
+            reader=self.reader, rows=self.eval_rows[proc.rank::proc.world], frozen=self.frozen, drafter=self.dcfg,
+            gamma=self.gamma, max_anchors=cfg.loss.max_anchors, loss_chunk=cfg.runtime.loss_chunk,
+            device=self.device, autocast=self.autocast, world=proc.world)
         self.model.train()
 
     @contextlib.contextmanager
@@ -345,11 +335,8 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out estimate (every rank its share of the held-out samples), logged by rank 0."""
-        rank, world = self.proc.rank, self.proc.world
         self.model.eval()
-        res = evaluate(self.model, self.frozen, self.reader, self.eval_rows[rank::world], self.dcfg,
-                       gamma=self.gamma, device=self.device, autocast=self.autocast,
-                       max_anchors=self.cfg.loss.max_anchors, loss_chunk=self.cfg.runtime.loss_chunk, world=world)
+        res = heldout_estimate(self.model, self.heldout)
         self.model.train()
         res["step"] = self.step
         if self.proc.is_main:
@@ -410,17 +397,3 @@ def _epoch_groups(stream, n: int):
                 group = []
     finally:
         stream.close()
-
-
-@contextlib.contextmanager
-def _signals_to(stop: _StopFlag):
-    """SIGTERM / SIGINT set `stop` inside the block (main thread only: signals reach no other)."""
-    import threading
-
-    caught = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
-    old = {s: signal.signal(s, stop) for s in caught}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
