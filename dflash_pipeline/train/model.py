@@ -133,6 +133,20 @@ class DrafterOptions:
             raise ValueError(f"unknown attention backend '{self.attn_backend}': use one of {', '.join(BACKENDS)}")
 
 
+class _Option:
+    """A DrafterOptions field as an attribute of the model: read from `model.options`; setting it
+    replaces the options (validated again)."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, model, owner=None):
+        return self if model is None else getattr(model.options, self.name)
+
+    def __set__(self, model, value) -> None:
+        model.options = replace(model.options, **{self.name: value})
+
+
 def init_drafter_weights(model: "DFlashDrafter", std: float = 0.02, generator: torch.Generator | None = None):
     """Normal(0, std) linears and unit norms, as HF initialises Qwen3."""
     with torch.no_grad():
@@ -291,30 +305,10 @@ class DFlashDrafter(nn.Module):
             x = x.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x), out_dtype_for(x.device), k)
 
-    # Each option reads (and, for tests comparing paths on one set of weights, sets) through its name.
-    @property
-    def checkpoint_layers(self) -> int:
-        return self.options.checkpoint_layers
-
-    @checkpoint_layers.setter
-    def checkpoint_layers(self, n: int) -> None:
-        self.options = replace(self.options, checkpoint_layers=n)
-
-    @property
-    def compile_kernels(self) -> bool | None:
-        return self.options.compile_kernels
-
-    @compile_kernels.setter
-    def compile_kernels(self, on: bool | None) -> None:
-        self.options = replace(self.options, compile_kernels=on)
-
-    @property
-    def attn_backend(self) -> str | None:
-        return self.options.attn_backend
-
-    @attn_backend.setter
-    def attn_backend(self, name: str | None) -> None:
-        self.options = replace(self.options, attn_backend=name)
+    # Each option also reads (and, for tests comparing paths on one set of weights, sets) by its name.
+    checkpoint_layers = _Option()
+    compile_kernels = _Option()
+    attn_backend = _Option()
 
     @property
     def gradient_checkpointing(self) -> bool:
