@@ -14,6 +14,8 @@ from typing import Optional
 
 import typer
 
+from dflash_pipeline.method import gamma_table_text
+
 # Tokenization runs in our own worker processes; the tokenizers library's thread pool on top of that
 # only slows it down (and warns after a fork).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -218,7 +220,7 @@ def train(
     num_layers: int = typer.Option(5, "--num-layers", help="Drafter decoder layers."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens drafted per block (anchor + masks)."),
     max_anchors: int = typer.Option(512, "--max-anchors", help="Anchors (blocks) per sample per step."),
-    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay exp(-(k-1)/gamma); default 7 for B=16, 5 for 10, 4 for 8."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help=f"Loss decay exp(-(k-1)/gamma); default by block size B: {gamma_table_text()}."),
     kl_weight: float = typer.Option(0.0, "--kl-weight", help="Share of forward KL to the stored teacher top-k, blended with CE."),
     cap_weight: float = typer.Option(0.0, "--cap-weight", help="Weight of CAP (entropy minimisation on already-correct slots)."),
     feature_noise: float = typer.Option(0.0, "--feature-noise", help="Uniform noise U(-s, s) added to the target features."),

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import ConfigMismatchError, DFlashError
 from dflash_pipeline.extract.engine import Engine, Reporter, make_batches  # noqa: F401 (make_batches: API)
@@ -29,9 +27,12 @@ from dflash_pipeline.extract.plan import (
     PlanReader, fingerprint_inputs, read_plan, write_plan,
 )
 from dflash_pipeline.extract.target import (
-    DTYPES, TargetRunner, config_hash, env_rank, load_target, resolve_target, text_config, tokenizer_files,
-    tokenizer_identity, visible_gpus,
+    DTYPES, TargetRunner, config_hash, load_target, resolve_target, text_config, tokenizer_files, tokenizer_identity,
 )
+from dflash_pipeline.launch import (
+    Proc, bind_device, launch, launched, local_world_size, plan_processes, process_gpus, process_group,
+)
+from dflash_pipeline.method import default_layer_ids
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
@@ -62,12 +63,6 @@ class Prepared:
     data_report: dict[str, Any] = field(default_factory=dict)
 
 
-def default_layers(num_layers: int, n: int) -> list[int]:
-    from dflash_pipeline.train.model import default_layer_ids
-
-    return default_layer_ids(num_layers, n)
-
-
 def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -82,7 +77,7 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     tconfig = AutoConfig.from_pretrained(target_path)
     tcfg = text_config(tconfig)
     num_layers = tcfg.num_hidden_layers
-    layer_ids = list(cfg.layers) if cfg.layers else default_layers(num_layers, cfg.num_features)
+    layer_ids = list(cfg.layers) if cfg.layers else default_layer_ids(num_layers, cfg.num_features)
     if any(k < 0 or k >= num_layers for k in layer_ids):
         raise DFlashError(f"--layers {layer_ids}: the target has {num_layers} decoder layers (ids 0..{num_layers - 1})")
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -174,65 +169,49 @@ def _report_counts(report) -> dict[str, Any]:
     return d
 
 
-def num_processes(cfg: ExtractConfig) -> tuple[str, int]:
-    """(device kind, worker processes) for a launch without torchrun."""
-    gpus = visible_gpus()
-    if cfg.device == "cpu" or (cfg.device == "auto" and gpus == 0):
-        return "cpu", cfg.num_procs or 1
-    if gpus == 0:
-        raise DFlashError("--device cuda asked for, but no GPU is visible")
-    use = gpus if cfg.gpus == "all" else int(cfg.gpus)
-    if use > gpus:
-        raise DFlashError(f"--gpus {use}: only {gpus} GPUs are visible")
-    if use % cfg.gpus_per_replica:
-        raise DFlashError(f"--gpus-per-replica {cfg.gpus_per_replica} does not divide the {use} GPUs used")
-    return "cuda", use // cfg.gpus_per_replica
-
-
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     """Entry point of `dflash extract`. Returns the run record."""
     from dflash_pipeline.extract.profiling import ProfileWindow
 
     ProfileWindow.from_env()  # a malformed DFLASH_PROFILE fails here, before any work
     line = LiveLine(enabled=not cfg.quiet)
-    launched = env_rank()
-    if launched is None:
-        kind, nprocs = num_processes(cfg)
-        cfg = _resolve_dtype(cfg, kind)
-        prep = prepare(cfg, line)
-        t0 = time.time()
-        if not prep.pending and not prep.needs_target:
-            line.say(f"{cfg.out}: every segment is already committed; nothing to do")
-            results = []
-        elif nprocs == 1:
-            results = [worker_main(cfg, prep, 0, 1, 0, kind, line)]
-        else:
-            results = _spawn_workers(cfg, prep, nprocs, kind)
-        return finish(cfg, prep, results, time.time() - t0, line)
-    # Under torchrun / accelerate launch: rank 0 coordinates, every rank works.
+    proc = launched(cfg.device)
+    if proc is not None:
+        return _run_launched(cfg, proc, line)
+    kind, nprocs = plan_processes(cfg.device, cfg.gpus, cfg.num_procs, cfg.gpus_per_replica)
+    cfg = _resolve_dtype(cfg, kind)
+    prep = prepare(cfg, line)
+    t0 = time.time()
+    if not prep.pending and not prep.needs_target:
+        line.say(f"{cfg.out}: every segment is already committed; nothing to do")
+        results = []
+    else:
+        results = launch(worker_main, (cfg, prep, line), nprocs=nprocs, kind=kind)
+    return finish(cfg, prep, results, time.time() - t0, line)
+
+
+def _run_launched(cfg: ExtractConfig, proc: Proc, line: LiveLine) -> dict[str, Any]:
+    """Under torchrun / accelerate launch: rank 0 coordinates, every rank works."""
     import torch.distributed as dist
 
-    rank, world, local_rank = launched
-    kind = "cpu" if (cfg.device == "cpu" or visible_gpus() == 0) else "cuda"
-    cfg = _resolve_dtype(cfg, kind)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = prepare(cfg, line)
-        except DFlashError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    prep = box[0]
-    t0 = time.time()
-    res = worker_main(cfg, prep, rank, world, local_rank, kind, line if rank == 0 else LiveLine(enabled=False))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, res)
-    record = finish(cfg, prep, gathered, time.time() - t0, line) if rank == 0 else {}
-    dist.barrier()
+    cfg = _resolve_dtype(cfg, proc.kind)
+    with process_group("gloo"):  # for the coordinator's objects only: the workers never communicate
+        box: list[Any] = [None]
+        if proc.is_main:
+            try:
+                box[0] = prepare(cfg, line)
+            except DFlashError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        prep = box[0]
+        t0 = time.time()
+        res = worker_main(proc, cfg, prep, line)
+        gathered: list[Any] = [None] * proc.world
+        dist.all_gather_object(gathered, res)
+        record = finish(cfg, prep, gathered, time.time() - t0, line) if proc.is_main else {}
+        dist.barrier()
     return record
 
 
@@ -242,25 +221,6 @@ def _resolve_dtype(cfg: ExtractConfig, kind: str) -> ExtractConfig:
     if cfg.dtype != "auto":
         return cfg
     return dataclasses.replace(cfg, dtype="bf16" if kind == "cuda" else "fp32")
-
-
-def _spawn_entry(rank: int, cfg: ExtractConfig, prep: Prepared, nprocs: int, kind: str, results) -> None:
-    line = LiveLine(enabled=(rank == 0 and not cfg.quiet))
-    results.put((rank, worker_main(cfg, prep, rank, nprocs, rank, kind, line)))
-
-
-def _spawn_workers(cfg: ExtractConfig, prep: Prepared, nprocs: int, kind: str) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_spawn_entry, args=(cfg, prep, nprocs, kind, results), nprocs=nprocs, join=True,
-                       start_method="spawn")
-    out = [None] * nprocs
-    while not results.empty():
-        r, res = results.get()
-        out[r] = res
-    return out
 
 
 def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], seconds: float,
@@ -306,8 +266,10 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
 # Worker
 # ------------------------------------------------------------------------------------------------
 
-def worker_main(cfg: ExtractConfig, prep: Prepared, rank: int, world: int, local_rank: int, kind: str,
-                line: LiveLine) -> dict[str, Any]:
+def worker_main(proc: Proc, cfg: ExtractConfig, prep: Prepared, line: LiveLine) -> dict[str, Any]:
+    """One extraction process: its share of the pending segments (by segment id), through the target."""
+    rank, world, kind = proc.rank, proc.world, proc.kind
+    line = line if proc.is_main else LiveLine(enabled=False)
     mine = prep.pending[rank::world]
     write_target = rank == 0 and prep.needs_target
     if not mine and not write_target:
@@ -315,16 +277,10 @@ def worker_main(cfg: ExtractConfig, prep: Prepared, rank: int, world: int, local
     meta = StoreMeta.from_dict(prep.meta)
     # This process's share of the node's cores for compression, one core left for the thread that
     # drives the GPU.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world if env_rank() is None else 1))
+    local = local_world_size(world)
     set_pool_threads(max(2, available_cpus() // max(1, local) - (1 if kind == "cuda" else 0)))
-    if kind == "cuda":
-        first = local_rank * cfg.gpus_per_replica
-        devices = list(range(first, first + cfg.gpus_per_replica))
-        torch.cuda.set_device(devices[0])
-        device = torch.device("cuda", devices[0])
-    else:
-        devices, device = None, torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    devices = process_gpus(proc, cfg.gpus_per_replica) if kind == "cuda" else None
+    device = bind_device(proc, cfg.gpus_per_replica)
     line.say(f"loading target {prep.target_path} ({cfg.dtype}) on {len(devices or [0])} {kind} device(s) "
              f"x {world} process(es) ...")
     model = load_target(prep.target_path, DTYPES[cfg.dtype], device, devices)
