@@ -51,12 +51,13 @@ SMOKE_MODE = False
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
-def build_target(path: str, tokenizer_dir: str, shape: dict) -> None:
+def build_target(path: str, tokenizer_dir: str, shape: dict, config_cls=None) -> None:
+    """A random-weight target of `shape` (a Qwen3 unless `config_cls` says otherwise) with the tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
-    cfg = Qwen3Config(**shape)
+    cfg = (config_cls or Qwen3Config)(**shape)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
     model.save_pretrained(path)

@@ -59,29 +59,20 @@ SHAPES = {
 
 
 def build_target(path: str, tokenizer_dir: str, name: str) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
 
-    if os.path.exists(os.path.join(path, "config.json")):
-        return
+    from extract import build_target as build
+
     kind, shape = SHAPES[name]
     # No EOS: random weights would stop sequences at random; every sequence runs to its token count.
-    cfg = (LlamaConfig if kind == "llama" else Qwen3Config)(**shape, eos_token_id=None, bos_token_id=None)
-    with torch.device(DEVICE):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
-    model.save_pretrained(path)
-    for f in os.listdir(tokenizer_dir):
-        if f.startswith("tokenizer") or f in ("special_tokens_map.json", "chat_template.jinja"):
-            shutil.copy(os.path.join(tokenizer_dir, f), path)
-    del model
-    _free()
+    build(path, tokenizer_dir, {**shape, "eos_token_id": None, "bos_token_id": None},
+          LlamaConfig if kind == "llama" else Qwen3Config)
 
 
 def _free() -> None:
-    import gc
+    from extract import _free_gpu
 
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    _free_gpu()
 
 
 def _sync() -> None:

@@ -15,7 +15,6 @@ Roles, as in extraction:
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import socket
 import time
 import uuid
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import ConfigMismatchError, DFlashError
@@ -34,6 +32,7 @@ from dflash_pipeline.generate.engine import Engine
 from dflash_pipeline.generate.output import OutputFolder
 from dflash_pipeline.generate.progress import GenerateProgress
 from dflash_pipeline.generate.work import ShardCounts, ShardWork
+from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.chat_template import unused_template_kwargs
 from dflash_pipeline.schemas.generate import GENERATE_FORMAT, GenerateConfig, output_diff
@@ -180,23 +179,19 @@ def _renderer(tokenizer, template_kwargs: dict[str, Any]) -> Callable[[list[dict
     return render
 
 
-def worker_main(cfg: GenerateConfig, prep: Prepared, rank: int, world: int, local_rank: int, kind: str,
-                line: LiveLine, rows_factory=None) -> dict[str, Any]:
-    """Generate this process's share of the missing shards; its counts and engine statistics."""
+def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine, rows_factory=None) -> dict[str, Any]:
+    """Generate this process's share of the missing shards (by shard number); its counts and engine statistics."""
     from transformers import AutoTokenizer
 
     from dflash_pipeline.eval.models import stop_token_ids
     from dflash_pipeline.extract.target import DTYPES, load_target
 
-    mine = prep.pending[rank::world]
+    line = line if proc.is_main else LiveLine(enabled=False)
+    mine = prep.pending[proc.rank::proc.world]
     if not mine:
-        return {"rank": rank, "shards": 0, "counts": ShardCounts().to_dict(), "engine": {}}
-    if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        return {"rank": proc.rank, "shards": 0, "counts": ShardCounts().to_dict(), "engine": {}}
+    device = bind_device(proc)
+    kind, world = proc.kind, proc.world
     line.say(f"loading target {prep.target_path} ({cfg.dtype}) on {kind} x {world} process(es) ...")
     model = load_target(prep.target_path, DTYPES[cfg.dtype], device)
     tokenizer = AutoTokenizer.from_pretrained(prep.target_path)
@@ -219,7 +214,7 @@ def worker_main(cfg: GenerateConfig, prep: Prepared, rank: int, world: int, loca
     finally:
         rows.close()   # the runner gives the model its own attention back
     progress.done()
-    return {"rank": rank, "shards": len(work.committed), "counts": work.total.to_dict(), "engine": stats.to_dict(),
+    return {"rank": proc.rank, "shards": len(work.committed), "counts": work.total.to_dict(), "engine": stats.to_dict(),
             "rows": rows.num_rows, "capacity": rows.capacity}
 
 
@@ -228,76 +223,48 @@ def worker_main(cfg: GenerateConfig, prep: Prepared, rank: int, world: int, loca
 # ------------------------------------------------------------------------------------------------
 
 def run_generate(cfg: GenerateConfig, rows_factory=None) -> dict[str, Any]:
-    """Entry point of `dflash generate`. Returns the run record."""
-    from dflash_pipeline.extract.pipeline import num_processes
-    from dflash_pipeline.extract.target import env_rank
-
+    """Entry point of `dflash generate`. Returns the run record. `rows_factory` (tests): the worker's
+    row runner, `open_rows` by default."""
     line = LiveLine(enabled=not cfg.quiet)
-    if env_rank() is not None:
-        return _run_launched(cfg, line, rows_factory)
-    kind, nprocs = num_processes(cfg)
-    if cfg.dtype == "auto":
-        cfg = replace(cfg, dtype="bf16" if kind == "cuda" else "fp32")
-    cfg, prep = prepare(cfg, line)
+    proc = launched(cfg.device)
+    if proc is not None:
+        return _run_launched(cfg, proc, line, rows_factory)
+    kind, nprocs = plan_processes(cfg.device, cfg.gpus, cfg.num_procs)
+    cfg, prep = prepare(_resolve_dtype(cfg, kind), line)
     t0 = time.time()
     if not prep.pending:
         line.say(f"{cfg.out}: every shard is already generated; nothing to do")
         results = []
-    elif nprocs == 1:
-        results = [worker_main(cfg, prep, 0, 1, 0, kind, line, rows_factory)]
     else:
-        results = _spawn(cfg, prep, nprocs, kind, rows_factory)
+        results = launch(worker_main, (cfg, prep, line, rows_factory), nprocs=nprocs, kind=kind)
     return finish(cfg, prep, results, time.time() - t0, line)
 
 
-def _run_launched(cfg: GenerateConfig, line: LiveLine, rows_factory) -> dict[str, Any]:
+def _resolve_dtype(cfg: GenerateConfig, kind: str) -> GenerateConfig:
+    return cfg if cfg.dtype != "auto" else replace(cfg, dtype="bf16" if kind == "cuda" else "fp32")
+
+
+def _run_launched(cfg: GenerateConfig, proc: Proc, line: LiveLine, rows_factory) -> dict[str, Any]:
     """Under torchrun / accelerate launch: rank 0 plans, every rank works, rank 0 writes the record."""
     import torch.distributed as dist
 
-    from dflash_pipeline.extract.target import env_rank, visible_gpus
-
-    rank, world, local_rank = env_rank()
-    kind = "cpu" if (cfg.device == "cpu" or visible_gpus() == 0) else "cuda"
-    if cfg.dtype == "auto":
-        cfg = replace(cfg, dtype="bf16" if kind == "cuda" else "fp32")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = prepare(cfg, line)
-        except DFlashError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    cfg, prep = box[0]
-    t0 = time.time()
-    res = worker_main(cfg, prep, rank, world, local_rank, kind, line if rank == 0 else LiveLine(enabled=False),
-                      rows_factory)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, res)
-    record = finish(cfg, prep, gathered, time.time() - t0, line) if rank == 0 else {}
-    dist.barrier()
+    with process_group("gloo"):  # for the coordinator's objects only: the workers never communicate
+        box: list[Any] = [None]
+        if proc.is_main:
+            try:
+                box[0] = prepare(_resolve_dtype(cfg, proc.kind), line)
+            except DFlashError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        cfg, prep = box[0]
+        t0 = time.time()
+        gathered: list[Any] = [None] * proc.world
+        dist.all_gather_object(gathered, worker_main(proc, cfg, prep, line, rows_factory))
+        record = finish(cfg, prep, gathered, time.time() - t0, line) if proc.is_main else {}
+        dist.barrier()
     return record
-
-
-def _spawn_entry(rank: int, cfg: GenerateConfig, prep: Prepared, nprocs: int, kind: str, rows_factory, results) -> None:
-    line = LiveLine(enabled=(rank == 0 and not cfg.quiet))
-    results.put((rank, worker_main(cfg, prep, rank, nprocs, rank, kind, line, rows_factory)))
-
-
-def _spawn(cfg: GenerateConfig, prep: Prepared, nprocs: int, kind: str, rows_factory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_spawn_entry, args=(cfg, prep, nprocs, kind, rows_factory, results), nprocs=nprocs,
-                       join=True, start_method="spawn")
-    out: list[Any] = [None] * nprocs
-    while not results.empty():
-        r, res = results.get()
-        out[r] = res
-    return out
 
 
 def finish(cfg: GenerateConfig, prep: Prepared, results: list[dict[str, Any]], seconds: float,
