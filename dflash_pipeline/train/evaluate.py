@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.train.blocks import anchor_candidates
-from dflash_pipeline.train.data import Batch
+from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.step import run_blocks
 
 

@@ -30,7 +30,8 @@ from dflash_pipeline.schemas.store import LAYER_CONVENTION
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.blocks import default_gamma
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
-from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
+from dflash_pipeline.train.loader import StreamingLoader
+from dflash_pipeline.train.plan import LoaderState, store_fingerprint
 from dflash_pipeline.train.evaluate import evaluate
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, choose_mask_token_id, init_drafter_weights
 from dflash_pipeline.train.step import (NOISE_STREAM, Frozen, draw_anchors, flops_from_totals, run_blocks,
