@@ -36,7 +36,7 @@ def real_hidden(tokens: int, layers: list[int]) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     from dflash_pipeline.embedded import embedded_target_dir
-    from dflash_pipeline.extract.data import load_samples
+    from dflash_pipeline.extract.samples import load_samples
     from dflash_pipeline.extract.target import TargetRunner, load_target
 
     path = embedded_target_dir()

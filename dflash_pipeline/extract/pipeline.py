@@ -72,10 +72,11 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_pipeline.embedded import embedded_sharegpt_path
-    from dflash_pipeline.extract import data as data_mod
+    from dflash_pipeline.extract.readers import check_inputs
+    from dflash_pipeline.extract.samples import load_samples
 
     if cfg.data:
-        data_mod.check_inputs(cfg.data)
+        check_inputs(cfg.data)
     line.say("resolving target ...")
     target_path = resolve_target(cfg.target)
     tconfig = AutoConfig.from_pretrained(target_path)
@@ -113,7 +114,7 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     if plan is None:
         line.say(f"tokenizing {'embedded ShareGPT conversations' if not cfg.data else ', '.join(cfg.data)} ...")
         workers = cfg.tokenize_workers or min(16, os.cpu_count() or 1)
-        samples, report = data_mod.load_samples(cfg.data or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
+        samples, report = load_samples(cfg.data or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
         if not samples:
             raise DFlashError("no usable samples in the input (every row was skipped): "
                               + "; ".join(report.summary_lines()[:3]))
