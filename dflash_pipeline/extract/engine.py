@@ -330,7 +330,7 @@ class Engine:
                 self.c["segments"] += 1
                 self.c["tokens"] += asm.tokens
                 self.c["samples"] += len(asm.plan.sample_ids)
-                self.c["bytes"] += sum(a["bytes"] for a in marker["arrays"].values())
+                self.c["bytes"] += sum(a.bytes for a in marker.arrays.values())
         except BaseException as e:
             self.error = e
         finally:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_pipeline.schemas.store import SegmentCommit
 from dflash_pipeline.store.writer import SegmentArrays
 
 BULK = ("hidden_TLH", "hidden_scale_TL", "topk_ids_TK", "topk_logprobs_TK")
@@ -138,7 +139,7 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _write(segment: int, small: dict[str, Any], specs: dict[str, tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+def _write(segment: int, small: dict[str, Any], specs: dict[str, tuple[str, tuple[int, ...], str]]) -> SegmentCommit:
     blocks, arrays = [], {}
     try:
         for name, (shm_name, shape, dtype) in specs.items():
@@ -166,7 +167,7 @@ class ProcessWriter:
         # them), and surface a failing start before any GPU work.
         [f.result() for f in [self.pool.submit(_ready) for _ in range(processes)]]
 
-    def write(self, segment: int, small: dict[str, Any], shared: SharedArrays) -> dict[str, Any]:
+    def write(self, segment: int, small: dict[str, Any], shared: SharedArrays) -> SegmentCommit:
         return self.pool.submit(_write, segment, small, shared.specs).result()
 
     def close(self) -> None:

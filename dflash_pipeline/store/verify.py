@@ -54,9 +54,9 @@ def check_segment(reader: StoreReader, segment: int) -> tuple[str, str] | None:
     try:
         arrs = reader._segment_arrays(segment)
         c = reader.commit(segment)
-        for name, spec in c["arrays"].items():
-            if str(arrs[name].dtype) != spec["dtype"]:
-                return name, f"dtype {arrs[name].dtype} != committed {spec['dtype']}"
+        for name, spec in c.arrays.items():
+            if str(arrs[name].dtype) != spec.dtype:
+                return name, f"dtype {arrs[name].dtype} != committed {spec.dtype}"
             reader._check_chunks_exist(segment, name, arrs[name])
         reader.read_segment(segment, verify=True)
     except CorruptSegmentError as e:
