@@ -94,6 +94,22 @@ def test_fp8_codec_error_bound_and_measurement():
     assert abs(measured - recomputed) / recomputed < 0.02  # bf16 rounding of the decode only
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_codec_pickles_to_the_same_codec(name):
+    """Extraction builds its codec once and pickles it to the writer processes: the copy must encode,
+    compress and describe itself exactly as the original."""
+    import pickle
+
+    codec = get_codec(name)
+    copy = pickle.loads(pickle.dumps(codec))
+    assert type(copy) is type(codec) and copy.name == codec.name and copy.params() == codec.params()
+    assert copy.storage_dtype == codec.storage_dtype and copy.has_scale == codec.has_scale
+    assert [c.to_dict() for c in copy.compressors()] == [c.to_dict() for c in codec.compressors()]
+    x = torch.randn(7, 2, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    a, b = codec.encode(x), copy.encode(x)
+    assert torch.equal(a.data_TLH, b.data_TLH) and torch.equal(a.err_sq_L, b.err_sq_L)
+
+
 def test_fp8_error_is_written_to_commit_marker(tmp_path):
     url = str(tmp_path / "s")
     write_random_store(url, codec="fp8", segments=1)

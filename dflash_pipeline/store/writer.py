@@ -31,7 +31,7 @@ from dflash_pipeline.schemas.store import (
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.shards import write_layer_shards
 from dflash_pipeline.store.codecs import (
-    chunk_tokens, get_codec, hidden_layer_stats, small_array_compressors,
+    HiddenCodec, chunk_tokens, get_codec, hidden_layer_stats, small_array_compressors,
 )
 
 
@@ -72,14 +72,18 @@ class SegmentArrays:
 
 class StoreWriter:
     """Opens (or creates) a store for writing segments. Safe for one writer per segment id at a time,
-    any number of processes and hosts at once."""
+    any number of processes and hosts at once.
 
-    def __init__(self, url: str, meta: StoreMeta, *, create: bool = True):
+    `codec`: the hidden-state codec named by `meta`, where the caller already has it (extraction builds
+    it once from its config and hands it to every process that writes); else it is looked up here."""
+
+    def __init__(self, url: str, meta: StoreMeta, *, codec: HiddenCodec | None = None, create: bool = True):
         import zarr
 
+        assert codec is None or codec.name == meta.codec, (codec.name, meta.codec)
         self.url = url
         self.meta = meta
-        self.codec = get_codec(meta.codec)
+        self.codec = codec if codec is not None else get_codec(meta.codec)
         self.zstore = open_zarr_store(url, read_only=False)
         self.kv = KV(self.zstore)
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
