@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import save_json  # noqa: E402
 
-from dflash_pipeline.train.data import Batch  # noqa: E402
+from dflash_pipeline.train.batch import Batch  # noqa: E402
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, DrafterOptions, init_drafter_weights  # noqa: E402
 from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks, step_flops  # noqa: E402
 

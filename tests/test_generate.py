@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.extract.data import Conversation
-from dflash_pipeline.generate.conversations import NoPrompt, Replay, Reply, reply_slots
+from dflash_pipeline.generate.conversations import Conversation, NoPrompt, Replay, Reply, reply_slots
 from dflash_pipeline.generate.engine import Engine, Finished, Request
 from dflash_pipeline.generate.sampling import row_seed, sample_rows, uniform
 from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs, unused_template_kwargs
@@ -274,7 +273,7 @@ def test_unfinished_generate_output_is_refused_as_input(tmp_path):
 
 
 def test_parquet_shards_read_back_as_conversations(tmp_path):
-    from dflash_pipeline.extract.data import iter_conversations
+    from dflash_pipeline.generate.conversations import iter_conversations
     from dflash_pipeline.generate.output import OutputFolder
 
     conv = _conv([_m("user", "u1"), _m("assistant", "x")], "conversations", record_id=12)

@@ -71,7 +71,7 @@ def test_label_and_teacher_rows_and_decay():
 def test_step_teacher_rows_follow_the_rule():
     """stage_blocks' teacher row of every labelled slot is its label's row minus one (flat over rows)."""
     from dflash_pipeline.train.blocks import build_blocks
-    from dflash_pipeline.train.data import Batch
+    from dflash_pipeline.train.batch import Batch
     from dflash_pipeline.train.step import stage_blocks
 
     R, S, B = 2, 24, 4

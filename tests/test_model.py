@@ -277,7 +277,7 @@ def test_compiled_kernels_under_autocast_on_cuda_are_as_accurate_as_eager():
 def _step_batch(seed: int = 0, K: int = 4):
     """A packed two-row Batch on the host (the rows of `packed_batch`), with tokens, a loss mask with
     holes and random teacher top-k."""
-    from dflash_pipeline.train.data import Batch
+    from dflash_pipeline.train.batch import Batch
 
     b, _ = packed_batch(seed)
     g = torch.Generator().manual_seed(seed + 1)

@@ -37,7 +37,7 @@ from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
 from dflash_pipeline.store.backends import KV, open_zarr_store
-from dflash_pipeline.store.codecs import get_codec
+from dflash_pipeline.store.codecs import HiddenCodec, get_codec
 from dflash_pipeline.store.manifest import committed_segments, read_commits, rebuild_manifest
 from dflash_pipeline.store.shards import available_cpus, set_pool_threads
 from dflash_pipeline.store.writer import StoreWriter, now_iso
@@ -55,6 +55,7 @@ class Prepared:
     run_id: str
     target_path: str
     meta: dict[str, Any]
+    codec: HiddenCodec            # built once, from the config; every writer (thread or process) uses it
     pending: list[int]
     pending_tokens: dict[int, int]
     needs_target: bool
@@ -67,11 +68,12 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_pipeline.embedded import embedded_sharegpt_path
-    from dflash_pipeline.extract import data as data_mod
+    from dflash_pipeline.extract.readers import check_inputs
+    from dflash_pipeline.extract.samples import load_samples
 
     data_files, provenance = _generated_inputs(cfg.data)   # generate output folders -> their shard files
     if data_files:
-        data_mod.check_inputs(data_files)
+        check_inputs(data_files)
     line.say("resolving target ...")
     target_path = resolve_target(cfg.target)
     tconfig = AutoConfig.from_pretrained(target_path)
@@ -105,12 +107,12 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
                    for k, v in fp_options.items() if existing.options.get(k) != v]
         raise ConfigMismatchError(f"{cfg.out}: the store was extracted from other input: "
                                   + ("; ".join(changed) if changed else "the input files' contents differ"))
-    writer = StoreWriter(cfg.out, meta)   # creates the store, or refuses a different target/layers/codec
+    writer = StoreWriter(cfg.out, meta, codec=codec)   # creates the store, or refuses a different target/layers/codec
     plan = read_plan(writer.kv)
     if plan is None:
         line.say(f"tokenizing {'embedded ShareGPT conversations' if not cfg.data else ', '.join(cfg.data)} ...")
         workers = cfg.tokenize_workers or min(16, os.cpu_count() or 1)
-        samples, report = data_mod.load_samples(data_files or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
+        samples, report = load_samples(data_files or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
         if not samples:
             raise DFlashError("no usable samples in the input (every row was skipped): "
                               + "; ".join(report.summary_lines()[:3]))
@@ -121,7 +123,7 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     pending = [s["segment"] for s in plan.segments if s["segment"] not in committed]
     return Prepared(
         run_id=_dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6],
-        target_path=str(target_path), meta=writer.meta.to_dict(), pending=pending,
+        target_path=str(target_path), meta=writer.meta.to_dict(), codec=codec, pending=pending,
         pending_tokens={s["segment"]: s["tokens"] for s in plan.segments if s["segment"] in set(pending)},
         needs_target=not writer.kv.exists("target/zarr.json"),
         plan_tokens=plan.num_tokens, plan_samples=plan.num_samples, data_report=plan.data_report,
@@ -244,7 +246,7 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
                                      "compression_ratio", "codec", "codec_rel_rmse", "nonfinite_values",
                                      "topk_mass_mean", "layer_ids")},
     }
-    StoreWriter(cfg.out, StoreMeta.from_dict(prep.meta), create=False).write_run_record(
+    StoreWriter(cfg.out, StoreMeta.from_dict(prep.meta), codec=prep.codec, create=False).write_run_record(
         f"extract-{prep.run_id}.json", record)
     st = record["store"]
     lines = [
@@ -285,7 +287,7 @@ def worker_main(proc: Proc, cfg: ExtractConfig, prep: Prepared, line: LiveLine) 
              f"x {world} process(es) ...")
     model = load_target(prep.target_path, DTYPES[cfg.dtype], device, devices)
     runner = TargetRunner(model, meta.layer_ids, meta.topk, cfg.logit_chunk_tokens)
-    writer = StoreWriter(cfg.out, meta, create=False)
+    writer = StoreWriter(cfg.out, meta, codec=prep.codec, create=False)
     if write_target:
         writer.write_target(runner.frozen_tensors(), runner.target_attrs(), tokenizer_files(prep.target_path))
     engine = Engine(runner, writer, cfg, device, rank)

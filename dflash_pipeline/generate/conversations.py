@@ -18,13 +18,50 @@ the source row and, per reply, the tokens generated and why it ended.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_pipeline.extract.data import Conversation
+from dflash_pipeline.extract.readers import NO_PROMPT, BadRow, BadRowError, DataReport, iter_rows, record_messages
 from dflash_pipeline.schemas.generate import STOP
 
 SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A usable input row as chat messages, with where it came from."""
+
+    file: str
+    row: int  # 1-based, in its file
+    sample_id: int  # global row index in the input, bad rows included (as for extraction)
+    form: str  # the record's key: 'conversations' (ShareGPT), 'messages' (OpenAI) or 'prompt'
+    messages: list[dict[str, str]]  # {role: system|user|assistant|tool, content}
+    record_id: Any = None  # the record's own "id", if it has one
+
+
+def iter_conversations(paths: list[str] | None, split: str = "train",
+                       report: DataReport | None = None) -> Iterator[Conversation]:
+    """Every row of the input that is a conversation or a prompt, in input order, untokenized.
+
+    Rows that are not (bad JSON, unknown form or role, empty content, plain `text`) are skipped and
+    recorded in `report`, as extraction reports them. With no paths, the embedded ShareGPT `split`.
+    """
+    report = DataReport() if report is None else report
+    for where, record in iter_rows(paths, split):
+        report.num_rows_read += 1
+        try:
+            if isinstance(record, BadRow):
+                raise BadRowError(record.reason, record.detail)
+            messages = record_messages(record)
+            if isinstance(messages, str):
+                raise BadRowError(NO_PROMPT, "a plain 'text' record has no prompt")
+        except BadRowError as e:
+            report.skip(where.file, where.row, e.bad.reason, e.bad.detail)
+            continue
+        form = next((k for k in ("conversations", "messages") if record.get(k) is not None), "prompt")
+        report.num_samples += 1
+        yield Conversation(where.file, where.row, where.sample_id, form, messages, record.get("id"))
 
 
 class NoPrompt(ValueError):

@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from dflash_pipeline.extract.data import Conversation
-from dflash_pipeline.generate.conversations import conversation_from_json, conversation_to_json
+from dflash_pipeline.generate.conversations import Conversation, conversation_from_json, conversation_to_json
 from dflash_pipeline.schemas.generate import (
     RUN_FILE, RUNS_DIR, SHARD_FILE, commit_name, plan_name, read_run_file, shard_name,
 )

@@ -20,14 +20,12 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import ConfigMismatchError, DFlashError
-from dflash_pipeline.extract.data import NO_PROMPT, DataReport, check_inputs, iter_conversations
-from dflash_pipeline.generate.conversations import NoPrompt, reply_slots
+from dflash_pipeline.extract.readers import NO_PROMPT, DataReport, check_inputs
+from dflash_pipeline.generate.conversations import NoPrompt, iter_conversations, reply_slots
 from dflash_pipeline.generate.engine import Engine
 from dflash_pipeline.generate.output import OutputFolder
 from dflash_pipeline.generate.progress import GenerateProgress
@@ -162,28 +160,12 @@ def _check_same_run(out: str, saved: dict[str, Any], now: dict[str, Any]) -> Non
 # Worker
 # ------------------------------------------------------------------------------------------------
 
-def _renderer(tokenizer, template_kwargs: dict[str, Any]) -> Callable[[list[dict[str, str]]], np.ndarray]:
-    import jinja2
-
-    backend = tokenizer.backend_tokenizer
-
-    def render(messages: list[dict[str, str]]) -> np.ndarray:
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **template_kwargs)
-        except jinja2.TemplateError as e:
-            raise ValueError(str(e)) from None
-        # The template writes BOS itself where the model wants one, as extraction renders it.
-        return np.asarray(backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-
-    return render
-
-
 def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine, rows_factory=None) -> dict[str, Any]:
     """Generate this process's share of the missing shards (by shard number); its counts and engine statistics."""
     from transformers import AutoTokenizer
 
     from dflash_pipeline.eval.models import stop_token_ids
+    from dflash_pipeline.extract.chat import ChatTokenizer
     from dflash_pipeline.extract.target import DTYPES, load_target
 
     line = line if proc.is_main else LiveLine(enabled=False)
@@ -203,7 +185,7 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine,
     folder = OutputFolder(cfg.out)
     work = ShardWork(
         mine, folder.read_plan, lambda k, rows_, counts: folder.commit_shard(k, rows_, counts.to_dict(), cfg.format),
-        _renderer(tokenizer, cfg.chat_template_kwargs),
+        ChatTokenizer(tokenizer, cfg.chat_template_kwargs).prompt,   # rendered and tokenized as extraction does
         lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
         stop_ids=stop_ids, capacity=rows.capacity, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, turns=cfg.turns,
     )

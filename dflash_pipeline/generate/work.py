@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash_pipeline.extract.data import MAX_PROBLEMS_KEPT, TEMPLATE_ERROR
+from dflash_pipeline.extract.readers import MAX_PROBLEMS_KEPT, BadRowError
 from dflash_pipeline.generate.conversations import Replay, Reply
 from dflash_pipeline.generate.engine import Finished, Request
 from dflash_pipeline.generate.sampling import row_seed
@@ -162,8 +162,8 @@ class ShardWork:
         replay = key.shard.replays[key.index]
         try:
             prompt = self.render(replay.history())
-        except ValueError as e:  # the chat template refused the conversation
-            return self._cannot_run(key, TEMPLATE_ERROR, str(e))
+        except BadRowError as e:  # the chat template refused the conversation
+            return self._cannot_run(key, e.bad.reason, e.bad.detail)
         room = self.capacity - len(prompt)
         if room < 1:
             return self._cannot_run(key, CONTEXT, f"prompt of {len(prompt)} tokens, rows hold {self.capacity}")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.train.blocks import anchor_candidates
-from dflash_pipeline.train.data import Batch
+from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.model import DrafterConfig
 from dflash_pipeline.train.step import Frozen, run_blocks
 

@@ -18,7 +18,7 @@ import torch
 
 from dflash_pipeline.method import teacher_index
 from dflash_pipeline.train.blocks import build_blocks, pad_anchors, sample_anchors
-from dflash_pipeline.train.data import Batch
+from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.loss import fused_head_loss
 
 

@@ -33,7 +33,8 @@ from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_duration
 from dflash_pipeline.schemas.config import OptimConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
-from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
+from dflash_pipeline.train.loader import StreamingLoader
+from dflash_pipeline.train.plan import LoaderState, store_fingerprint
 from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
