@@ -9,9 +9,13 @@ the metrics (the argmax hit, the label's rank for top-k accuracy, and on request
 for the tree estimate). Only grad_h [N, H] is saved; backward scales it by the incoming gradient. No
 [N, V] tensor lives beyond one chunk and the head never runs twice.
 
-The label's rank is the number of vocabulary entries placed before it: a larger logit, or an equal
-logit at a smaller index (argmax's tie rule, so rank 0 is exactly argmax == label; ties are common in
-bf16 logits). Top-k accuracy is rank < k, for any k, from one int per position.
+The label's rank is the number of vocabulary entries with a strictly larger logit, counted up to
+`rank_limit` (a rank >= the limit reads the limit); top-k accuracy for any k <= rank_limit is rank < k,
+from one int per position. A tie with the label counts for the label (with tied bf16 logits rank 0 can
+hold where argmax, which takes the first index, picked another token), which is what makes it cheap:
+compiled, the count is one more reduction in the kernel that reads the logits; eager, the top
+rank_limit logits (one top-k pass, 4x cheaper on the CPU than a comparison pass and its sum) decide
+it exactly, whichever of several tied entries the top-k happened to return.
 
 Terms, per labelled position i with weight w_i (position decay exp(-(k-1)/gamma) times validity):
 - CE_i = -log p(label_i);
@@ -41,7 +45,8 @@ class HeadLossResult(NamedTuple):
     kl: torch.Tensor  # same for KL (0 without teacher)
     cap: torch.Tensor  # same for CAP (0 when cap_weight == 0)
     correct_N: torch.Tensor  # bool, argmax == label (False for negative labels)
-    label_rank_N: torch.Tensor | None = None  # int64, entries ranked before the label (V for negative labels)
+    label_rank_N: torch.Tensor | None = None  # int64, entries with a larger logit, up to rank_limit (negative
+                                              # labels: rank_limit)
     topk_ids_NK: torch.Tensor | None = None  # int64 [N, topk], best first, when topk > 0 is asked for
     topk_logprobs_NK: torch.Tensor | None = None  # fp32 log-probabilities of those ids
 
@@ -81,7 +86,7 @@ def _kl_sum(x_CV, lse_C1, ids_CK, teacher_lp_CK, w_C):
     return ids_CK, q_CK, (w_C * kl_C).sum()
 
 
-def _softmax_terms(x_CV, labels_C, scale_C, ce_coef: float, cap_weight: float, need_grad: bool):
+def _softmax_terms(x_CV, labels_C, scale_C, ce_coef: float, cap_weight: float, need_grad: bool, rank_limit: int):
     """Everything the loss needs from a chunk's logits x, as one function for torch.compile.
 
     Returns (lse, x at the label, argmax, label rank, entropy or None, gradient or None). The gradient, in x's dtype,
@@ -98,8 +103,7 @@ def _softmax_terms(x_CV, labels_C, scale_C, ce_coef: float, cap_weight: float, n
     s_C1 = e_CV.sum(-1, keepdim=True)
     lse_C1 = m_C1 + s_C1.log()
     x_lab_C = xf.gather(1, labels_C.clamp_min(0)[:, None])[:, 0]
-    vocab_1V = torch.arange(x_CV.shape[1], device=x_CV.device)[None]
-    rank_C = _label_rank(xf, x_lab_C[:, None], labels_C, vocab_1V)
+    rank_C = torch.where(labels_C >= 0, (xf > x_lab_C[:, None]).sum(-1).clamp_max(rank_limit), rank_limit)
     ent_C1 = lse_C1 - (e_CV * xf).sum(-1, keepdim=True) / s_C1 if cap_weight > 0 else None
     if not need_grad:
         return lse_C1, x_lab_C, arg_C, rank_C, ent_C1, None
@@ -107,14 +111,9 @@ def _softmax_terms(x_CV, labels_C, scale_C, ce_coef: float, cap_weight: float, n
     if cap_weight > 0:
         hit_C1 = ((arg_C == labels_C) & (labels_C >= 0)).to(acc)[:, None]
         g_CV = g_CV * (1.0 - cap_weight * hit_C1 * (xf - lse_C1 + ent_C1))
+    vocab_1V = torch.arange(x_CV.shape[1], device=x_CV.device)[None]
     g_CV = g_CV - torch.where(vocab_1V == labels_C[:, None], (ce_coef * scale_C)[:, None], 0.0)
     return lse_C1, x_lab_C, arg_C, rank_C, ent_C1, g_CV.to(x_CV.dtype)
-
-
-def _label_rank(x_CV, x_lab_C1, labels_C, vocab_1V):
-    """Entries placed before the label (larger, or equal at a smaller index); V for negative labels."""
-    before_CV = torch.where(vocab_1V < labels_C[:, None], x_CV >= x_lab_C1, x_CV > x_lab_C1)
-    return torch.where(labels_C >= 0, before_CV.sum(-1), x_CV.shape[1])
 
 
 def _topk(x_CV, k: int):
@@ -145,13 +144,13 @@ def _terms_fn(device: torch.device, compiled: bool | None):
 
 
 def _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight,
-                    inv_norm, need_grad, topk):
+                    inv_norm, need_grad, rank_limit, topk):
     acc = _acc_dtype(h_CH)
     w_C = w_C.to(acc)
     x_CV = h_CH @ head_weight_VH.T
     scale_C = w_C * inv_norm
     lse_C1, x_lab_C, arg_C, rank_C, ent_C1, g_CV = fn(x_CV, labels_C, scale_C, 1.0 - kl_weight, cap_weight,
-                                                      need_grad)
+                                                      need_grad, rank_limit)
     correct_C = (arg_C == labels_C) & (labels_C >= 0)
     top = _topk(x_CV, topk)
     metrics = (correct_C, rank_C, None if top is None else (top[0], top[1].to(acc) - lse_C1))
@@ -171,7 +170,7 @@ def _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_
 
 
 def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight, cap_weight, inv_norm, need_grad,
-           compiled=None, topk=0):
+           compiled=None, rank_limit=8, topk=0):
     """Weighted CE/KL/CAP sums, metrics (argmax hits, label ranks, top-k or None) and d loss / d h of one
     chunk, from one head matmul.
 
@@ -181,7 +180,7 @@ def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight
     fn = _terms_fn(h_CH.device, compiled)
     if fn is not None:
         return _chunk_compiled(fn, h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight,
-                               cap_weight, inv_norm, need_grad, topk)
+                               cap_weight, inv_norm, need_grad, rank_limit, topk)
     acc = _acc_dtype(h_CH)
     w_C = w_C.to(acc)
     safe_labels_C1 = labels_C.clamp_min(0)[:, None]
@@ -193,10 +192,13 @@ def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight
     x_CV = h_CH @ head_weight_VH.T
     max_C, arg_C = x_CV.max(dim=-1)
     correct_C = (arg_C == labels_C) & (labels_C >= 0)
-    # Before the fp32 buffers exist, so that the rank's boolean temporaries do not raise the chunk's peak.
-    vocab_1V = torch.arange(x_CV.shape[1], device=x_CV.device)[None]
-    rank_C = _label_rank(x_CV, x_CV.gather(1, safe_labels_C1), labels_C, vocab_1V)
-    top = _topk(x_CV, topk)
+    # The label's rank from the top rank_limit logits: every entry larger than the label is among them
+    # unless there are at least rank_limit of those, and then all of them are larger (the count reads the
+    # limit). One top-k serves the rank and the requested top-k.
+    top = _topk(x_CV, max(rank_limit, topk))
+    above_C = (top[1][:, :rank_limit] > x_CV.gather(1, safe_labels_C1)).sum(-1)
+    rank_C = torch.where(labels_C >= 0, above_C, rank_limit)
+    top = (top[0][:, :topk], top[1][:, :topk]) if topk else None
     m_C1 = max_C.to(acc)[:, None]
     e_CV = torch.sub(x_CV, m_C1) if x_CV.dtype == acc else torch.sub(x_CV.to(acc), m_C1)
     e_CV.exp_()
@@ -233,7 +235,7 @@ def _chunk(h_CH, head_weight_VH, labels_C, w_C, ids_CK, teacher_lp_CK, kl_weight
 class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK,
-                kl_weight, cap_weight, chunk_size, normalizer, compiled, topk):
+                kl_weight, cap_weight, chunk_size, normalizer, compiled, rank_limit, topk):
         N = hidden_NH.shape[0]
         dev = hidden_NH.device
         need_grad = ctx.needs_input_grad[0]
@@ -251,7 +253,7 @@ class FusedHeadLoss(torch.autograd.Function):
                 hidden_NH[s:e], head_weight_VH, labels_N[s:e], weights_N[s:e],
                 None if teacher_ids_NK is None else teacher_ids_NK[s:e],
                 None if teacher_logprobs_NK is None else teacher_logprobs_NK[s:e],
-                kl_weight, cap_weight, inv_norm, need_grad, compiled, k,
+                kl_weight, cap_weight, inv_norm, need_grad, compiled, rank_limit, k,
             )
             sums += chunk_sums
             if top is not None:
@@ -269,7 +271,7 @@ class FusedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *_unused):
         (grad_NH,) = ctx.saved_tensors
         return (grad_NH * grad_loss.to(grad_NH.dtype), None, None, None, None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _normalizer(weights_N: torch.Tensor, normalizer, dtype: torch.dtype) -> torch.Tensor:
@@ -292,21 +294,22 @@ def fused_head_loss(
     chunk_size: int = 2048,
     normalizer: float | torch.Tensor | None = None,
     compiled: bool | None = None,
+    rank_limit: int = 8,
     topk: int = 0,
 ) -> HeadLossResult:
     """Loss, metrics and (saved) input gradient of the frozen head in one chunked pass; see module doc.
-    compiled=False keeps each chunk's softmax math eager (None: compiled on CUDA, see COMPILE). topk > 0
-    also returns each position's top-k ids and log-probabilities (the draft tree's input), from the same
-    logits."""
+    compiled=False keeps each chunk's softmax math eager (None: compiled on CUDA, see COMPILE). Label ranks
+    are counted up to rank_limit. topk > 0 also returns each position's top-k ids and log-probabilities
+    (the draft tree's input), from the same logits."""
     _check(hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK, kl_weight)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if topk < 0:
-        raise ValueError(f"topk must be >= 0, got {topk}")
+    if topk < 0 or rank_limit < 1:
+        raise ValueError(f"topk must be >= 0 and rank_limit >= 1, got {topk} and {rank_limit}")
     *out, top_ids, top_lps = FusedHeadLoss.apply(
         hidden_NH, head_weight_VH, labels_N, weights_N, teacher_ids_NK, teacher_logprobs_NK,
         float(kl_weight), float(cap_weight), int(chunk_size), _normalizer(weights_N, normalizer, _acc_dtype(hidden_NH)),
-        compiled, int(topk),
+        compiled, int(rank_limit), int(topk),
     )
     return HeadLossResult(*out, *((top_ids, top_lps) if topk else (None, None)))
 
@@ -322,6 +325,7 @@ def naive_head_loss(
     kl_weight: float = 0.0,
     cap_weight: float = 0.0,
     normalizer: float | torch.Tensor | None = None,
+    rank_limit: int = 8,
     topk: int = 0,
 ) -> HeadLossResult:
     """The same loss with full logits and plain autograd: the reference for tests (memory O(N*V))."""
@@ -332,10 +336,11 @@ def naive_head_loss(
     x_NV = hidden_NH @ head_weight_VH.T
     logp_NV = torch.log_softmax(x_NV.to(acc), dim=-1)
     correct_N = (logp_NV.argmax(-1) == labels_N) & (labels_N >= 0)
-    # The label's place in a stable descending sort of the head's own logits (ties: smaller index first).
-    order_NV = torch.sort(x_NV, dim=-1, descending=True, stable=True).indices
-    rank_N = torch.where(labels_N >= 0, (order_NV == labels_N.clamp_min(0)[:, None]).int().argmax(-1),
-                         head_weight_VH.shape[0])
+    # The label's place in the head's own logits sorted in descending order (the first of its ties).
+    sorted_NV = torch.sort(x_NV.to(acc), dim=-1, descending=True).values
+    x_lab_N1 = x_NV.to(acc).gather(1, labels_N.clamp_min(0)[:, None])
+    rank_N = torch.where(labels_N >= 0, torch.searchsorted(-sorted_NV, -x_lab_N1)[:, 0].clamp_max(rank_limit),
+                         rank_limit)
     top = logp_NV.topk(topk, dim=-1) if topk else None
     ce = (w_N * -logp_NV.gather(1, labels_N.clamp_min(0)[:, None])[:, 0]).sum() / norm
     zero = logp_NV.new_zeros(())

@@ -171,7 +171,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     head = frozen.head_VH
     res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
-                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]),
+                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]), rank_limit=max(TOPK_ACCURACY),
                           compiled=False if getattr(core, "compile_kernels", None) is False else None)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax; top-k
     # accuracy from the label's rank in those logits.
