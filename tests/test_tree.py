@@ -5,8 +5,10 @@
   zero-probability tokens included; the chain is budget 0 (and K = 1).
 - The walk is exact: greedy tree decoding of a tiny Llama verified with a 4D ancestor mask (eager,
   DynamicCache) equals plain greedy decoding token for token, and the compacted cache equals a cache that
-  saw only the committed tokens; at T > 0 the walk's outcome distribution is enumerated exactly, and the
-  whole loop's joint distribution of 4 tokens passes a chi-square test against the target's.
+  saw only the committed tokens (measured: a mask that lets a node see its siblings, consecutive instead of
+  depth positions, or keeping the wrong cache slots each fail it); at T > 0 the walk's outcome
+  distribution is enumerated exactly, and the whole loop's joint distribution of 4 tokens passes a
+  chi-square test against the target's (a sibling-seeing mask fails that one too).
 - The held-out estimate equals building each anchor's tree and walking it with the reference, and at
   budget 0 equals training's greedy-chain walk.
 """
@@ -23,8 +25,8 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.tree import (
-    Tree, build_tree, build_trees, check_tree_cache, compact_cache, kept_slots, reference_depths, slot_topk,
-    target_choices, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
+    Tree, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, kept_slots, reference_depths,
+    slot_topk, target_choices, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
 )
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.models import Target
@@ -353,7 +355,7 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(attn):
 def test_tree_sampling_keeps_target_distribution():
     """At T > 0, the whole loop (tree, mask, walk, compaction) samples the target's own joint distribution of
     the first 4 tokens (chi-square, alpha 1e-3), with trees that branch and accept often."""
-    V, D, L, T, runs = 6, 3, 4, 0.8, 1500
+    V, D, L, T, runs = 6, 3, 4, 0.8, 1000
     model = tiny_llama(vocab=V, seed=0)
     model.set_attn_implementation("eager")
     prompt = [1, 2, 3, 4, 5]
@@ -375,17 +377,29 @@ def test_tree_sampling_keeps_target_distribution():
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
 
 
-def test_hybrid_and_sliding_caches_are_refused_in_one_line():
+def test_hybrid_and_sliding_targets_are_refused_in_one_line():
     from transformers import DynamicCache, Qwen3NextConfig
 
     cfg = Qwen3NextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=64, vocab_size=32, layer_types=["full_attention", "linear_attention"])
     with pytest.raises(DFlashError) as e:
+        check_tree_target(cfg)
+    assert "qwen3_next layer 1 ('linear_attention') is linear attention" in str(e.value)
+    assert "\n" not in str(e.value) and "tree budget 0" in str(e.value)
+    with pytest.raises(DFlashError, match="layer 1 .* is linear attention"):
         compact_cache(DynamicCache(config=cfg), torch.arange(3))
-    assert "layer 1 is linear attention" in str(e.value) and "\n" not in str(e.value)
+
+    class OlderHybridCache:  # transformers before per-layer caches kept linear state on the cache itself
+        conv_states = recurrent_states = [None, None]
+
+    with pytest.raises(DFlashError, match=r"cache \(OlderHybridCache\) is linear attention"):
+        check_tree_cache(OlderHybridCache())
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    cache = DynamicCache(config=tiny_llama(vocab=8).config)
+    llama = tiny_llama(vocab=8)
+    check_tree_target(llama.config)  # full attention: fine
+    cache = DynamicCache(config=llama.config)
+    check_tree_cache(cache)
     cache.layers[0] = DynamicSlidingWindowLayer(sliding_window=4)
     with pytest.raises(DFlashError, match="layer 0 is a sliding-window layer"):
         check_tree_cache(cache)

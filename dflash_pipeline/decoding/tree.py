@@ -351,13 +351,38 @@ def kept_slots(start: int, path: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.arange(start + 1, device=path.device), start + 1 + path])
 
 
+_LINEAR_STATES = ("conv_states", "recurrent_states", "ssm_states")
+
+
+def _refuse_linear(where: str) -> None:
+    raise DFlashError(f"tree verification needs a target whose every layer keeps keys and values per token; "
+                      f"{where} is linear attention, whose single recurrent state cannot follow a tree: use "
+                      f"tree budget 0 (the chain)")
+
+
+def check_tree_target(config) -> None:
+    """Refuse, in one line, a target config with layers that keep no per-token keys and values (hybrid
+    linear-attention models), before any decoding starts."""
+    from dflash_pipeline.extract.target import text_config
+
+    cfg = text_config(config)
+    for i, kind in enumerate(getattr(cfg, "layer_types", None) or []):
+        if kind not in ("full_attention", "sliding_attention"):
+            _refuse_linear(f"{getattr(cfg, 'model_type', 'the target')} layer {i} ('{kind}')")
+
+
 def check_tree_cache(cache) -> None:
-    """Refuse, in one line, caches whose layers do not keep one key and value per position."""
-    for i, layer in enumerate(getattr(cache, "layers", [])):
-        if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
-            raise DFlashError(f"tree verification needs a target whose every layer keeps keys and values per "
-                              f"token; layer {i} is linear attention ({type(layer).__name__}), whose single "
-                              f"recurrent state cannot follow a tree: use tree budget 0 (the chain)")
+    """Refuse, in one line, caches that cannot be compacted to a tree path here: linear-attention state
+    (per layer, or per cache in older transformers' hybrid caches), sliding-window layers, or a cache
+    without per-layer keys and values."""
+    if any(hasattr(cache, name) for name in _LINEAR_STATES):
+        _refuse_linear(f"the target's cache ({type(cache).__name__})")
+    if not hasattr(cache, "layers"):
+        raise DFlashError(f"tree verification through a transformers cache needs a DynamicCache with per-layer "
+                          f"keys and values, not {type(cache).__name__}")
+    for i, layer in enumerate(cache.layers):
+        if any(hasattr(layer, name) for name in _LINEAR_STATES):
+            _refuse_linear(f"layer {i} ({type(layer).__name__})")
         if getattr(layer, "is_sliding", False):
             raise DFlashError(f"tree verification through a transformers cache supports full-attention layers "
                               f"only; layer {i} is a sliding-window layer ({type(layer).__name__}): use tree "
@@ -377,6 +402,6 @@ def compact_cache(cache, keep: torch.Tensor) -> None:
 
 __all__ = [
     "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "target_choices", "walk",
-    "walk_sequence", "reference_depths", "tree_estimate", "tree_attention_mask", "kept_slots", "check_tree_cache",
-    "compact_cache",
+    "walk_sequence", "reference_depths", "tree_estimate", "tree_attention_mask", "kept_slots", "check_tree_target",
+    "check_tree_cache", "compact_cache",
 ]
