@@ -21,7 +21,8 @@ from dflash_pipeline.decoding.tree import walk_sequence
 from dflash_pipeline.train.blocks import anchor_candidates
 from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.model import DrafterConfig
-from dflash_pipeline.train.step import Frozen, run_blocks
+from dflash_pipeline.train.metrics import slot_accuracies
+from dflash_pipeline.train.step import TOPK_ACCURACY, Frozen, run_blocks
 
 
 @dataclass
@@ -47,7 +48,8 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     dcfg, device, max_anchors = held.drafter, held.device, held.max_anchors
     B = dcfg.block_size
     # sums: ce*labels, labels, streak, blocks, chain steps, chain committed, samples
-    v = torch.zeros(7 + 2 * B, dtype=torch.float64, device=device)
+    J = len(TOPK_ACCURACY)
+    v = torch.zeros(7 + (2 + J) * B, dtype=torch.float64, device=device)
     for row in held.rows:
         s = held.reader.read_sample(int(row), layers=dcfg.target_layer_ids)
         T = len(s.tokens_T)
@@ -71,7 +73,8 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
             v[2] += out.streak_sum.double()
             v[3] += out.blocks.double()
             v[7:7 + B] += out.correct_B.double()
-            v[7 + B:] += out.count_B.double()
+            v[7 + B:7 + 2 * B] += out.count_B.double()
+            v[7 + 2 * B:] += out.topk_correct_JB.flatten().double()
             runs[anchors[0].numpy()] = out.run_RA[0].cpu().numpy()
         steps, committed = walk_sequence(runs, cands.numpy())
         v[4] += steps
@@ -81,11 +84,11 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         import torch.distributed as dist
 
         dist.all_reduce(v)
-    correct, count = v[7:7 + B], v[7 + B:]
+    v = v.cpu()
+    correct, count, topk = v[7:7 + B], v[7 + B:7 + 2 * B], v[7 + 2 * B:].view(J, B)
     return {
         "loss": float(v[0] / v[1].clamp_min(1)),      # unweighted CE per labelled slot
-        "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
-        "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
+        **slot_accuracies(correct, topk, count),
         "streak": float(v[2] / v[3].clamp_min(1)),   # every anchor: the random-anchor style estimate
         "tau_chain": float(v[5] / v[4].clamp_min(1)),
         "samples": int(v[6]),
