@@ -66,20 +66,27 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 class OracleDrafter:
-    """Drafts `sequence` (prompt + the target's own continuation) exactly: every draft is right."""
+    """Drafts `sequence` (prompt + the target's own continuation) exactly: every draft is right, or, with
+    `err_every` = k, every k-th drafted slot is wrong (rounds then end in rejections at varied slots)."""
 
-    def __init__(self, sequence: list[int], vocab: int, block_size: int):
-        self.sequence, self.vocab, self.block_size = list(sequence), vocab, block_size
+    def __init__(self, sequence: list[int], vocab: int, block_size: int, err_every: int = 0):
+        self.sequence, self.vocab, self.block_size, self.err_every = list(sequence), vocab, block_size, err_every
         self.calls: list[tuple[torch.Tensor | None, int, int]] = []
+        self.drafted = 0
 
     def reset(self) -> None:
         self.calls = []
+        self.drafted = 0
 
     def draft(self, context, anchor, start):
         self.calls.append((None if context is None else context.clone(), anchor, start))
-        want = self.sequence[start + 1:start + self.block_size] + [0] * self.block_size
+        want = torch.tensor((self.sequence[start + 1:start + self.block_size] + [0] * self.block_size)[:self.block_size - 1])
+        if self.err_every:
+            slot = self.drafted + torch.arange(1, self.block_size)
+            want = torch.where(slot % self.err_every == 0, (want + 1) % self.vocab, want)
+            self.drafted += self.block_size - 1
         logits = torch.full((self.block_size - 1, self.vocab), -30.0)
-        logits[torch.arange(self.block_size - 1), torch.tensor(want[:self.block_size - 1])] = 30.0
+        logits[torch.arange(self.block_size - 1), want] = 30.0
         return logits
 
 
@@ -321,6 +328,117 @@ def test_summary_counts_slots_and_hist():
     # slot 1: reached 4, accepted 3; slot 2: reached 3 (n >= 1), accepted 2; slot 3: reached 1 of drafted-3 steps.
     assert rep["accept_rate_per_position"] == [3 / 4, 2 / 3, 1 / 1]
     assert rep["speedup"] == pytest.approx(2.0) and rep["lossless"] is True
+
+
+# ---------------------------------------------------------------- hybrid targets (linear attention)
+
+
+def tiny_hybrid(model_type: str, vocab: int = 64, seed: int = 0):
+    """A random Qwen3.5-family text model: 4 layers, 3 Gated DeltaNet (linear attention) + 1 full attention.
+    Weights drawn wide (std 0.1) so that the linear layers' states move the logits."""
+    import transformers
+
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, initializer_range=0.1)
+    if model_type == "qwen3_5_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    config, model = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+                     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}[model_type]
+    torch.manual_seed(seed)
+    return getattr(transformers, model)(getattr(transformers, config)(**kw)).eval()
+
+
+def _layer_states(cache) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(kind, a, b) per layer: linear layers (conv window, recurrent state), attention layers (keys, values)."""
+    out = []
+    for layer in cache.kv.layers:
+        if hasattr(layer, "recurrent_states"):
+            out.append(("linear", layer.conv_states[0][..., -layer.conv_kernel_size[0]:], layer.recurrent_states[0]))
+        else:
+            out.append(("attention", layer.keys, layer.values))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_verify_then_rollback_leaves_the_committed_states(model_type):
+    """After a verify of [anchor, 5 drafts] that keeps `keep` of them, every layer's state equals the state
+    after feeding only the committed tokens one by one, as plain decoding does: linear layers' convolution
+    windows and recurrent states, attention layers' keys and values, and the next token's logits.
+    The cause of the issue, on the same states: transformers' crop alone rolls the windows back but leaves
+    the recurrent states holding the rejected drafts, off by as much as the states' own size; the block
+    (chunked kernel) and token-by-token (recurrent kernel) paths agree to rounding."""
+    model = tiny_hybrid(model_type)
+    target = Target(model)
+    prompt, block = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 8, 10, 11, 12, 13]
+    P = len(prompt)
+
+    def fresh():
+        cache = target.new_cache()
+        target.forward(prompt, 0, cache, last_only=True)
+        return cache
+
+    for keep in (1, 2, 4, 6):
+        rolled = fresh()
+        target.forward(block, P, rolled)
+        target.crop(rolled, P + keep)
+        stepwise = fresh()
+        for j in range(keep):
+            target.forward([block[j]], P + j, stepwise)
+        as_block = fresh()
+        target.forward(block[:keep], P, as_block)
+        target.crop(as_block, P + keep)
+        for (kind, a, b), (_, c, d), (_, e, f) in zip(_layer_states(rolled), _layer_states(stepwise),
+                                                      _layer_states(as_block)):
+            for x, y, z in ((a, c, e), (b, d, f)):
+                assert x.shape == y.shape, (keep, kind)
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)  # rollback == committed tokens only
+                torch.testing.assert_close(z, y, atol=1e-5, rtol=1e-4)  # chunked == recurrent kernel
+        if keep < len(block):  # the cause: transformers' crop alone
+            crop_only = fresh()
+            target.forward(block, P, crop_only)
+            crop_only.kv.crop(-(len(block) - keep))
+            linear = [(s1, s2) for s1, s2 in zip(_layer_states(crop_only), _layer_states(stepwise)) if s1[0] == "linear"]
+            assert len(linear) == 3
+            for (_, window, state), (_, want_window, want_state) in linear:
+                torch.testing.assert_close(window, want_window, atol=1e-5, rtol=1e-4)
+                assert (state - want_state).abs().max() > 0.1 * want_state.abs().max()
+
+        nxt = [block[keep] if keep < len(block) else 0]
+        torch.testing.assert_close(target.forward(nxt, P + keep, rolled)[0],
+                                   target.forward(nxt, P + keep, stepwise)[0], atol=1e-5, rtol=1e-4)
+    target.close()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_speculative_decoding_equals_plain_decoding(model_type, monkeypatch):
+    """fp32, token for token, on several prompts: drafters that are right, wrong at every 3rd slot (rounds
+    end at varied slots), or always wrong. The same prompts without the rollback (transformers' crop
+    alone) leave plain decoding: the test has the power to see the issue."""
+    from dflash_pipeline.eval import rollback
+
+    V, B = 64, 6
+    model = tiny_hybrid(model_type, vocab=V, seed=1)
+    target = Target(model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    kw = dict(max_new_tokens=32, temperature=0.0, stop_ids=frozenset())
+    bases = [target_generate(target, p, **kw) for p in prompts]
+    committed = []
+    for p, base in zip(prompts, bases):
+        for drafter in (OracleDrafter(p + base.tokens, V, B), OracleDrafter(p + base.tokens, V, B, err_every=3),
+                        TableDrafter(torch.zeros(V, B - 1, V))):
+            spec = speculative_generate(target, drafter, p, **kw)
+            assert spec.tokens == base.tokens, (model_type, p, drafter)
+            committed += [s.committed for s in spec.steps[:-1]]
+    assert {1, 2, 3, B} <= set(committed)  # rejections at the first slots and full blocks
+
+    monkeypatch.setattr(rollback.LinearStates, "restore", lambda self: None)
+    monkeypatch.setattr(rollback.MixerReplay, "replay", lambda self, inputs, keep: None)
+    differ = sum(speculative_generate(target, OracleDrafter(p + b.tokens, V, B, err_every=3), p, **kw).tokens
+                 != b.tokens for p, b in zip(prompts, bases))
+    assert differ >= 2
+    target.close()
 
 
 # ---------------------------------------------------------------- the real target

@@ -14,8 +14,10 @@ whose target state is not known yet):
    predict the token of slot i + 1;
 3. the longest acceptable prefix of the draft is kept, plus one token from the target (the correction
    at the first rejected slot, or the bonus after the last slot);
-4. the target cache is cut back to the committed tokens (the new anchor is not in it), and the features
-   of the anchor and the accepted drafts, from that same verify forward, become the next context.
+4. the target cache is cut back to the committed tokens (the new anchor is not in it; in hybrid targets
+   the linear-attention states are restored and the committed tokens folded in again, see rollback.py),
+   and the features of the anchor and the accepted drafts, from that same verify forward, become the
+   next context.
 
 Legend: V vocabulary, m drafted slots used this round (k - 1), k = m + 1 verified positions, N batch
 of independent acceptance decisions (1 in the loop; larger in tests), F concatenated target features.
