@@ -512,3 +512,32 @@ def test_mismatched_drafter_is_refused_with_one_line(tmp_path, smollm_dir):
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         EvalConfig(drafter="d", **bad)
+
+
+def test_sliding_window_layers_keep_only_their_window():
+    """Past recording (for rollbacks) keeps a sliding layer's past until a crop; plain decoding never
+    rolls back, and transformers 5.17 then handed the layer its whole past (a shape error once past the
+    window). Every forward first cuts the windows back: a sliding layer holds at most its window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    W = 4
+    cfg = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                           sliding_window=W, layer_types=["sliding_attention", "full_attention"],
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    target = Target(Gemma3ForCausalLM(cfg).eval())
+    prompt = list(range(3, 13))
+    base = target_generate(target, prompt, max_new_tokens=12, temperature=0.0, stop_ids=frozenset())
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, 0, cache, last_only=True)
+    for i, t in enumerate(base.tokens[:-1]):
+        assert int(logits[-1].argmax()) == t
+        logits, _ = target.forward([t], len(prompt) + i, cache)
+        sliding, full = cache.kv.layers
+        assert sliding.keys.shape[-2] <= W and full.keys.shape[-2] == len(prompt) + i + 1
+    assert int(logits[-1].argmax()) == base.tokens[-1]
+    spec = speculative_generate(target, OracleDrafter(prompt + base.tokens, 32, 5, err_every=3), prompt,
+                                max_new_tokens=12, temperature=0.0, stop_ids=frozenset())
+    assert spec.tokens == base.tokens
+    target.close()

@@ -116,6 +116,11 @@ class Target:
         at positions start .. start + n - 1, appending them to `cache` (which must hold `start`)."""
         n = len(ids)
         assert cache.length == start, f"the cache holds {cache.length} positions, the forward starts at {start}"
+        if cache.length:
+            # Past recording expects a crop after every forward: without one, transformers 5.17 hands a
+            # sliding-window layer its whole recorded past (a shape error past the window) and 5.24 keeps
+            # it in memory. crop(0) cuts every window back to what the next forward needs.
+            cache.kv.crop(0)
         ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         kwargs = {self._cache_kw: cache.kv, "use_cache": True,
                   "position_ids": torch.arange(start, start + n, device=self.device)[None]}
