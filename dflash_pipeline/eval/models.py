@@ -84,7 +84,7 @@ class Target:
             self._replay.close()
             self._replay = None
 
-    def new_cache(self) -> "TargetCache":
+    def new_cache(self) -> TargetCache:
         from transformers import DynamicCache
 
         kv = DynamicCache(config=self.model.config)
@@ -96,7 +96,7 @@ class Target:
             self._replay = MixerReplay(self.model, states.layer_ids)
         return TargetCache(kv, states if states else None)
 
-    def crop(self, cache: "TargetCache", length: int) -> None:
+    def crop(self, cache: TargetCache, length: int) -> None:
         """Keep the first `length` positions of the cache (the last forward's first position or later)."""
         drop = cache.length - length
         if drop <= 0:
@@ -110,7 +110,7 @@ class Target:
             cache.saved_at = None
             cache.mixer_inputs.clear()
 
-    def forward(self, ids: Sequence[int], start: int, cache: "TargetCache", *, features: bool = False,
+    def forward(self, ids: Sequence[int], start: int, cache: TargetCache, *, features: bool = False,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fp32 logits [n, V] (or [1, V] with last_only), features [1, n, F] or None) of n new tokens
         at positions start .. start + n - 1, appending them to `cache` (which must hold `start`)."""
