@@ -12,7 +12,7 @@ prompts; seconds per prompt (median of --repeats), tau and whether the output eq
                target again over the committed tokens
 
     python bench/rollback.py                                   # CPU, tiny shape (the docstring's numbers)
-    python bench/rollback.py --device cuda --shape 27b --layers 8 --dtype bf16 --json OUT.json
+    python bench/rollback.py --device cuda --shape 27b --num-layers 8 --dtype bf16 --json OUT.json
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class ErringOracle:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=["tiny", "27b"], default="tiny")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: the shape's)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--prompts", type=int, default=4)
@@ -102,8 +102,8 @@ def main() -> None:
     logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     shape = dict(QWEN3_5_27B if args.shape == "27b" else QWEN3_5_TINY)
-    if args.layers:
-        shape["num_hidden_layers"] = args.layers
+    if args.num_layers:
+        shape["num_hidden_layers"] = args.num_layers
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     with torch.device(args.device):
