@@ -8,13 +8,14 @@ inputs) and a recurrent state [heads, d_k, d_v] into which every token is folded
 after `activate_past_recording`, cuts the window back right, but it cannot take tokens out of the
 recurrent state (`LinearAttentionCacheLayerMixin.is_croppable` says so, in 5.17 as in 5.24, and its
 own assisted decoding refuses such caches). So after every rejection the next forward started from a
-state that had seen the rejected drafts. tests/test_eval.py::test_verify_then_rollback_leaves_the_
-committed_states shows it on the states themselves: after verify + crop the recurrent state of every
-linear layer differs from the state after feeding only the committed tokens by as much as the state's
-own size, the window equals it to rounding; the block (chunked kernel) and token-by-token (recurrent
-kernel) paths agree to ~1e-7, so the kernels are not the cause. On a random model the damage to the
-logits is small (the linear layers add little to the residual stream at init), which is why a greedy
-check with large margins can pass anyway.
+state that had seen the rejected drafts. A test shows it on the states themselves
+(tests/test_eval.py, test_verify_then_rollback_leaves_the_committed_states): after verify + crop the
+recurrent state of every linear layer differs from the state after feeding only the committed tokens
+by as much as the state's own size, the window equals it to rounding; the block (chunked kernel) and
+token-by-token (recurrent kernel) paths agree to rounding, so the kernels are not the cause. On a
+random model the damage to the logits is small (the linear layers add little to the residual stream
+at the default init), which is why a greedy check with large margins can pass anyway (it did for a
+tiny qwen3_5_moe on two prompts).
 
 The fix, in two small parts that a static-cache decoding runner can reuse:
 - `LinearStates`: saves the window and recurrent state of every linear-attention layer of a
