@@ -80,7 +80,8 @@ class OracleDrafter:
 
     def draft(self, context, anchor, start):
         self.calls.append((None if context is None else context.clone(), anchor, start))
-        want = torch.tensor((self.sequence[start + 1:start + self.block_size] + [0] * self.block_size)[:self.block_size - 1])
+        B = self.block_size
+        want = torch.tensor((self.sequence[start + 1:start + B] + [0] * B)[:B - 1])
         if self.err_every:
             slot = self.drafted + torch.arange(1, self.block_size)
             want = torch.where(slot % self.err_every == 0, (want + 1) % self.vocab, want)
@@ -398,7 +399,8 @@ def test_verify_then_rollback_leaves_the_committed_states(model_type):
             crop_only = fresh()
             target.forward(block, P, crop_only)
             crop_only.kv.crop(-(len(block) - keep))
-            linear = [(s1, s2) for s1, s2 in zip(_layer_states(crop_only), _layer_states(stepwise)) if s1[0] == "linear"]
+            linear = [(s1, s2) for s1, s2 in zip(_layer_states(crop_only), _layer_states(stepwise))
+                      if s1[0] == "linear"]
             assert len(linear) == 3
             for (_, window, state), (_, want_window, want_state) in linear:
                 torch.testing.assert_close(window, want_window, atol=1e-5, rtol=1e-4)

@@ -98,7 +98,8 @@ def check_features(p, rows=2, atol=2e-3) -> None:
 
 def check_reference_drafts(p, prompt: list[int]) -> None:
     """The authors' `dflash` package loads the export and drafts what our drafter drafts."""
-    from dflash.model import DFlashDraftModel, _draft_value, _output_head, _raw_input_embeddings, extract_context_feature
+    from dflash.model import (DFlashDraftModel, _draft_value, _output_head, _raw_input_embeddings,
+                              extract_context_feature)
 
     ref = DFlashDraftModel.from_pretrained(p.export, dtype=torch.float32).eval()
     ours = load_drafter(str(p.export), torch.float32, torch.device("cpu"))
@@ -151,8 +152,8 @@ def test_extraction_matches_plain_forward(family):
     text = family.model.config
     assert attrs["num_layers"] == text.num_hidden_layers
     assert r.meta.layer_ids == default_layer_ids(text.num_hidden_layers, NUM_FEATURES)
-    assert attrs["embedding_scale"] == pytest.approx(text.hidden_size ** 0.5 if family.family.model_type.startswith("gemma")
-                                                     else 1.0)
+    gemma = family.family.model_type.startswith("gemma")
+    assert attrs["embedding_scale"] == pytest.approx(text.hidden_size ** 0.5 if gemma else 1.0)
     assert attrs["final_logit_softcapping"] == getattr(text, "final_logit_softcapping", None)
 
 
@@ -162,7 +163,8 @@ def test_export_config(family):
     L = text.num_hidden_layers
     assert c["num_target_layers"] == L
     assert c["dflash_config"]["target_layer_ids"] == default_layer_ids(L, NUM_FEATURES)
-    assert 0 <= c["dflash_config"]["mask_token_id"] < c["vocab_size"] == family.model.get_input_embeddings().weight.shape[0]
+    rows = family.model.get_input_embeddings().weight.shape[0]
+    assert 0 <= c["dflash_config"]["mask_token_id"] < c["vocab_size"] == rows
     assert c["layer_types"] == ["full_attention"] and c["hidden_size"] == text.hidden_size
     if family.family.hybrid:  # feature layers are decoder layers, linear attention or not
         assert "linear_attention" in {text.layer_types[k] for k in c["dflash_config"]["target_layer_ids"]}
