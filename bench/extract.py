@@ -159,7 +159,7 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str, 
     the bare forward and the full extraction it separates GPU-side cost from host-side stalls."""
     from dflash_pipeline.extract.profiling import BatchProfiler
     from dflash_pipeline.extract.target import TargetRunner, decoder_layers, load_target
-    from dflash_pipeline.train.model import default_layer_ids
+    from dflash_pipeline.method import default_layer_ids
     from dflash_pipeline.store.codecs import get_codec, hidden_layer_stats
 
     prof = BatchProfiler(profile, label="compute only")

@@ -107,7 +107,8 @@ def test_hybrid_target_export_loads_in_reference_and_drafts_the_same(tmp_path, s
 
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.train.model import DrafterConfig, default_layer_ids
+    from dflash_pipeline.method import default_layer_ids
+    from dflash_pipeline.train.model import DrafterConfig
     from families import FAMILIES, build
     from test_families import check_reference_drafts
 

@@ -32,7 +32,7 @@ from dflash_pipeline.extract.pipeline import run_extract
 from dflash_pipeline.schemas.config import ExtractConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import export_checkpoint
-from dflash_pipeline.train.model import default_layer_ids
+from dflash_pipeline.method import default_layer_ids
 from dflash_pipeline.train.trainer import run_train
 from families import FAMILIES, build, readme_table
 from helpers import write_conversations
