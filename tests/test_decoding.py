@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner, unsupported_reason
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, block_input_ids, init_drafter_weights
 
 V = 96
 
@@ -215,3 +217,46 @@ def test_greedy_decoding_of_the_real_target_equals_generate(smollm_model, smollm
     with DecodingRunner(smollm_model, max_len=len(ids) + 40) as runner:
         got = runner_greedy(runner, 0, ids, 40)
     assert got == want
+
+
+# ---------------------------------------------------------------- the drafter
+
+
+def test_static_drafter_round_equals_draft_step():
+    H, B = 32, 4
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                        vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=[0, 2], num_target_layers=4,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=5)
+    drafter = DFlashDrafter(cfg)
+    init_drafter_weights(drafter, std=0.2, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    emb, head_w = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+
+    def embed(ids):
+        return torch.nn.functional.embedding(ids, emb)
+
+    def head(h):
+        return (h @ head_w.T).float()
+
+    static = StaticDrafter(drafter, embed=embed, head=head, vocab_size=V, feature_dtype=torch.float32, rows=2,
+                           max_len=40)
+    cache = drafter.new_cache()
+    io, start = static.io, 0
+    for n in [7, 3, 1, 4, 0, 2]:  # a prompt longer than B first (eager append), then padded appends
+        feats = torch.randn(1, n, 2 * H, generator=g)
+        start += n
+        anchor = int(torch.randint(0, V - 1, (), generator=g))
+        ids = block_input_ids(torch.tensor([anchor]), B, cfg.mask_token_id)
+        with torch.no_grad():
+            hidden = drafter.draft_step(feats, torch.arange(start - n, start), embed(ids),
+                                        torch.arange(start, start + B), cache)
+        if n > B:
+            static.extend_context(1, feats[0], start)
+            io.n_new_R[1] = 0
+        else:
+            io.ctx_RBF[1, :n] = feats[0]
+            io.n_new_R[1] = n
+        io.start_R[1], io.ids_RB[1, 0] = start, anchor
+        static.step()
+        torch.testing.assert_close(io.logits_RmV[1], head(hidden[0, 1:]), atol=1e-4, rtol=1e-4)
+        assert io.argmax_Rm[1].tolist() == head(hidden[0, 1:]).argmax(-1).tolist()
