@@ -100,3 +100,40 @@ def write_conversations(path, n: int = 40, seed: int = 0):
         ]})
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def tiny_causal_lm(kind: str, seed: int = 0, vocab: int = 96):
+    """A tiny random causal LM: llama (GQA), qwen3 and gemma3 (sliding-window layers), gemma2 (attention
+    soft-capping). Peaked logits, so that greedy decoding has no near-ties."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "llama":
+        cfg, cls = tf.LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False, **common), tf.LlamaForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(num_hidden_layers=3, head_dim=16, sliding_window=5, use_sliding_window=True,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention"], **common)
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "gemma3":
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)
+        cls = tf.Gemma3ForCausalLM
+    elif kind == "gemma2":
+        cfg = tf.Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=4, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=5.0, **common)
+        cls = tf.Gemma2ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy decoding (it stops at the model's EOS, if it has one)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()

@@ -16,8 +16,9 @@ import torch
 from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner, unsupported_reason
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, block_input_ids, init_drafter_weights
+from helpers import hf_greedy, tiny_causal_lm as tiny
 
-V = 96
+V = 96  # the vocabulary of helpers.tiny_causal_lm
 
 
 @pytest.fixture(autouse=True)
@@ -26,42 +27,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny(kind: str, seed: int = 0):
-    """A tiny random causal LM of the given family; peaked logits so that greedy ties do not happen."""
-    import transformers as tf
-
-    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if kind == "llama":
-        cfg, cls = tf.LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False, **common), tf.LlamaForCausalLM
-    elif kind == "qwen3":
-        cfg = tf.Qwen3Config(num_hidden_layers=3, head_dim=16, sliding_window=5, use_sliding_window=True,
-                             layer_types=["sliding_attention", "full_attention", "sliding_attention"], **common)
-        cls = tf.Qwen3ForCausalLM
-    elif kind == "gemma3":
-        cfg = tf.Gemma3TextConfig(num_hidden_layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)
-        cls = tf.Gemma3ForCausalLM
-    elif kind == "gemma2":
-        cfg = tf.Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=4, attn_logit_softcapping=2.0,
-                              final_logit_softcapping=5.0, **common)
-        cls = tf.Gemma2ForCausalLM
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed + 1))
-    return model
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy decoding (it stops at the model's EOS, if it has one)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

@@ -73,12 +73,15 @@ class Target:
         """Keep the first `length` positions of the cache."""
         cache.crop(-(cache.get_seq_length() - length))
 
-    def forward(self, ids: Sequence[int], start: int, cache, *, features: bool = False,
+    def forward(self, ids: Sequence[int] | torch.Tensor, start: int, cache, *, features: bool = False,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fp32 logits [n, V] (or [1, V] with last_only), features [1, n, F] or None) of n new tokens
         at positions start .. start + n - 1, appending them to `cache` (which must hold `start`)."""
         n = len(ids)
-        ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        if isinstance(ids, torch.Tensor):  # a block built on the device: no host round trip
+            ids_1n = ids.reshape(1, n).to(self.device)
+        else:
+            ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         kwargs = {self._cache_kw: cache, "use_cache": True,
                   "position_ids": torch.arange(start, start + n, device=self.device)[None]}
         if last_only and self._can_keep_last:
