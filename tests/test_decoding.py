@@ -170,6 +170,10 @@ def test_capacity_is_checked_and_unsupported_models_are_named():
     assert "linear_attention" in unsupported_reason(hybrid)
     with pytest.raises(ValueError, match="linear_attention"):
         DecodingRunner(hybrid, max_len=16)
+    dynamic = tiny("llama")
+    dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert "dynamic RoPE scaling" in unsupported_reason(dynamic)
+    assert unsupported_reason(tiny("gemma3")) is None  # RoPE parameters per layer type
 
 
 def test_greedy_decoding_of_the_real_target_equals_generate(smollm_model, smollm_tokenizer):

@@ -54,6 +54,11 @@ def unsupported_reason(model) -> str | None:
         return f"{name} does not route its attention through transformers' attention interface"
     if getattr(cfg, "use_bidirectional_attention", False):
         return f"{name} is configured with bidirectional attention"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    per_layer_type = all(isinstance(v, dict) for v in rope.values())  # Gemma 3: one entry per layer type
+    on_the_fly = {p.get("rope_type") for p in (rope.values() if per_layer_type else [rope])} & {"dynamic", "longrope"}
+    if on_the_fly:  # transformers recomputes these frequencies from a sequence length it reads on the host
+        return f"{name} uses {'/'.join(sorted(on_the_fly))} RoPE scaling"
     attn = getattr(decoder_layers(model)[0], "self_attn", None)
     if getattr(attn, "layer_idx", None) is None:
         return f"{name}: its attention modules carry no layer index"
