@@ -135,5 +135,5 @@ def tiny_causal_lm(kind: str, seed: int = 0, vocab: int = 96):
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy decoding (it stops at the model's EOS, if it has one)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
