@@ -5,7 +5,7 @@
   drafter's round;
 - fp32 greedy speculative decoding on graphs == transformers' greedy generate on the GPU, for tiny
   Llama / Qwen3 (sliding) / Gemma 3 and a random SmolLM2-135M-shaped target, with acceptances of
-  every length.
+  every length; once more with the steps compiled (`compile=True`).
 
 `DFLASH_TEST_DEVICE=cpu` runs these tests on the CPU (eager, no graphs): a check of the tests
 themselves before GPU time is spent.
@@ -22,7 +22,7 @@ from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.speculative import speculative_generate, target_generate
-from helpers import hf_greedy, tiny_causal_lm
+from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 
 DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
@@ -63,8 +63,6 @@ def test_graph_replay_equals_eager_runner(kind, dtype):
 
 
 def test_drafter_graph_equals_eager_round():
-    from test_eval import tiny_drafter
-
     model = on_device(tiny_causal_lm("qwen3"))
     drafter = tiny_drafter([0, 1]).to(DEVICE)
     emb = model.get_input_embeddings().weight
@@ -104,8 +102,15 @@ def smollm_shaped():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "smollm"])
 def test_fp32_graphed_speculative_decoding_equals_generate(kind):
-    from test_eval import Steered, tiny_drafter
+    speculative_equals_generate(kind, compile=False)
 
+
+def test_compiled_graphed_speculative_decoding_equals_generate():
+    """The same with the steps' forward and the drafter's elementwise chains through torch.compile."""
+    speculative_equals_generate("qwen3", compile=True)
+
+
+def speculative_equals_generate(kind: str, compile: bool) -> None:
     from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
     if kind == "smollm":
@@ -115,20 +120,19 @@ def test_fp32_graphed_speculative_decoding_equals_generate(kind):
                             target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30)
         drafter = DFlashDrafter(cfg)
         init_drafter_weights(drafter, generator=torch.Generator().manual_seed(0))
-        drafter, layers, B, V = drafter.to(DEVICE).eval(), cfg.target_layer_ids, 8, 49152
+        drafter, layers, B = drafter.to(DEVICE).eval(), cfg.target_layer_ids, 8
     else:
-        model, drafter, layers, B, V = on_device(tiny_causal_lm(kind)), tiny_drafter([0, 1]).to(DEVICE), [0, 1], 4, 96
+        model, drafter, layers, B = on_device(tiny_causal_lm(kind)), tiny_drafter([0, 1]).to(DEVICE), [0, 1], 4
     prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
     N = 48
     want = hf_greedy(model, prompt, N)
-    target = GraphedTarget(model, layers, max_len=len(prompt) + N + B, block_size=B)
+    target = GraphedTarget(model, layers, max_len=len(prompt) + N + B, block_size=B, compile=compile)
     try:
         kw = dict(max_new_tokens=N, temperature=0.0, stop_ids=frozenset())
         assert target_generate(target, prompt, **kw).tokens == want
-        steered = Steered(GraphedDraft(drafter, target, max_len=len(prompt) + N + B), prompt + want)
+        steered = Steered(GraphedDraft(drafter, target, max_len=len(prompt) + N + B, compile=compile), prompt + want)
         spec = speculative_generate(target, steered, prompt, **kw)
         assert spec.tokens == want
         assert {s.accepted for s in spec.steps} >= set(range(B - 1))  # acceptances of every length
-        assert V == target.runner.inputs(1).logits_RqV.shape[-1]
     finally:
         target.close()

@@ -31,7 +31,7 @@ from dflash_pipeline.eval.speculative import (
 )
 from dflash_pipeline.train.export import export_drafter
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-from helpers import hf_greedy, tiny_causal_lm
+from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 
 SMOL_LAYERS = [1, 8, 14, 20, 27]
 
@@ -333,37 +333,6 @@ def test_summary_counts_slots_and_hist():
 
 
 # ---------------------------------------------------------------- the graphed path (static caches)
-
-
-def tiny_drafter(layer_ids: list[int], block_size: int = 4, seed: int = 0) -> DFlashDrafter:
-    """A random drafter for `tiny_causal_lm` (hidden 64, vocabulary 96, 3 target layers)."""
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        vocab_size=96, block_size=block_size, mask_token_id=95, target_layer_ids=layer_ids,
-                        num_target_layers=3)
-    model = DFlashDrafter(cfg)
-    init_drafter_weights(model, std=0.3, generator=torch.Generator().manual_seed(seed))
-    return model.eval()
-
-
-class Steered:
-    """A drafter whose first j slots (j = round number mod B) are forced to the target's own continuation:
-    acceptances then vary over 0..B-1, so the wrapped drafter gets context appends of every length. Keeps
-    the wrapped drafter's own logits of every round."""
-
-    def __init__(self, inner, sequence: list[int]):
-        self.inner, self.sequence, self.block_size = inner, sequence, inner.block_size
-        self.seen: list[torch.Tensor] = []
-
-    def reset(self) -> None:
-        self.inner.reset()
-        self.seen = []
-
-    def draft(self, context, anchor, start):
-        logits = self.inner.draft(context, anchor, start).clone()
-        self.seen.append(logits.clone())
-        want = self.sequence[start + 1:start + 1 + len(self.seen) % self.block_size]
-        logits[torch.arange(len(want)), torch.tensor(want, dtype=torch.long)] = 1e4
-        return logits
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])

@@ -34,7 +34,7 @@ import torch
 from dflash_pipeline.decoding.attention import fold_mask, folded_attention
 from dflash_pipeline.decoding.graphs import GraphedStep, new_pool
 from dflash_pipeline.decoding.runner import SLOT_ROUND, round_up
-from dflash_pipeline.train.kernels import add_rms_norm
+from dflash_pipeline.train.kernels import kernels
 from dflash_pipeline.train.masks import visible
 from dflash_pipeline.train.model import DFlashDrafter, rope_cos_sin
 
@@ -54,8 +54,11 @@ class DraftIO:
 class StaticDrafter:
     def __init__(self, model: DFlashDrafter, *, embed: Callable[[torch.Tensor], torch.Tensor],
                  head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, feature_dtype: torch.dtype,
-                 rows: int = 1, max_len: int, block_size: int | None = None, graphs: bool | None = None):
+                 rows: int = 1, max_len: int, block_size: int | None = None, graphs: bool | None = None,
+                 compile: bool = False):
         cfg = model.config
+        # compile: the layers' elementwise chains as the fused kernels training uses (train/kernels.py)
+        self.k = kernels(compile)
         self.model, self.cfg, self.embed, self.head = model.eval(), cfg, embed, head
         w = model.fc.weight
         self.device, self.dtype = w.device, w.dtype
@@ -123,14 +126,14 @@ class StaticDrafter:
         arange_B = torch.arange(B, device=dev)
         blk_slots = io.start_R[:, None] + arange_B
         ctx_slots = blk_slots - io.n_new_R[:, None]
-        ctx_RBH = self.model.fuse(io.ctx_RBF)
+        ctx_RBH = self.model.fuse(io.ctx_RBF, self.k)
         rope_ctx, rope_q = self._rope(ctx_slots), self._rope(blk_slots)
         masks = self._masks(io.start_R)
         h = self.embed(io.ids_RB).to(self.dtype)
         for i, layer in enumerate(self.model.layers):
-            self._write(i, ctx_slots, *layer.self_attn.project_kv(ctx_RBH, rope_ctx))
+            self._write(i, ctx_slots, *layer.self_attn.project_kv(ctx_RBH, rope_ctx, self.k))
             h = self._layer(i, layer, h, rope_q, blk_slots, masks[self.cfg.layer_mask_kind(i)])
-        hidden = self.model.norm(h)
+        hidden = self.model.norm(h, None, self.k)
         io.logits_RmV.copy_(self.head(hidden[:, 1:]))
         torch.argmax(io.logits_RmV, dim=-1, out=io.argmax_Rm)
 
@@ -138,13 +141,13 @@ class StaticDrafter:
         """`DrafterLayer.block` with the block's keys/values written into the static cache, not concatenated."""
         attn = layer.self_attn
         R, B, _ = h_RBH.shape
-        x = layer.input_layernorm(h_RBH)
-        q = attn.project_q(x, rope_q)
-        self._write(i, blk_slots_RB, *attn.project_kv(x, rope_q))
+        x = layer.input_layernorm(h_RBH, None, self.k)
+        q = attn.project_q(x, rope_q, self.k)
+        self._write(i, blk_slots_RB, *attn.project_kv(x, rope_q, self.k))
         out = folded_attention(q, self.keys[i], self.values[i], bias, attn.scale)
         out = attn.o_proj(out.reshape(R, B, attn.num_heads * attn.head_dim))
         post = layer.post_attention_layernorm
-        h_RBH, x = add_rms_norm(h_RBH, out, post.weight, post.eps)
+        h_RBH, x = self.k.add_rms_norm(h_RBH, out, post.weight, post.eps)
         return h_RBH + layer.mlp(x)
 
 

@@ -86,7 +86,7 @@ class DecodingRunner:
     """See the module docstring. `max_len`: slots per row, new block included."""
 
     def __init__(self, model, *, rows: int = 1, max_len: int, layer_ids: Sequence[int] = (),
-                 graphs: bool | None = None, prefill_chunk: int = 512):
+                 graphs: bool | None = None, prefill_chunk: int = 512, compile: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"static-cache runner: {reason}")
@@ -110,6 +110,10 @@ class DecodingRunner:
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._prev_attn = model.config._attn_implementation
         model.set_attn_implementation(STATIC_ATTENTION)
+        # compile: the steps' forward (not the prefill's varying shapes) through torch.compile before it is
+        # captured, so that its elementwise chains (norms, RoPE, residuals) become fused kernels inside
+        # the graph; one compilation per step shape, at its first call.
+        self._forward = torch.compile(self._logits, dynamic=False) if compile else self._logits
         self._pool = new_pool(self.device)
         self._io: dict[int, StepIO] = {}
         self._steps: dict[int, GraphedStep] = {}
@@ -254,11 +258,13 @@ class DecodingRunner:
             state = StepState(self.kv, slice(None), self.lengths_R, io.offsets_Rq, io.block_mask_Rqq,
                               self.slot_pos_RS, self.slots, capture=capture if self.layer_ids else None)
             with active(state):
-                out = self.model(input_ids=io.ids_Rq, position_ids=state.pos_Rq, use_cache=False)
-            io.logits_RqV.copy_(out.logits)
+                io.logits_RqV.copy_(self._forward(io.ids_Rq, state.pos_Rq))
             torch.argmax(io.logits_RqV, dim=-1, out=io.argmax_Rq)
 
         return fn
+
+    def _logits(self, ids_Rq: torch.Tensor, pos_Rq: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids_Rq, position_ids=pos_Rq, use_cache=False).logits
 
 
 __all__ = ["DecodingRunner", "StepIO", "unsupported_reason", "round_up"]

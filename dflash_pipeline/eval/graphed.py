@@ -28,11 +28,13 @@ from dflash_pipeline.train.model import DFlashDrafter
 
 
 class GraphedTarget(Target):
-    def __init__(self, model, layer_ids: Sequence[int], *, max_len: int, block_size: int, graphs: bool | None = None):
+    def __init__(self, model, layer_ids: Sequence[int], *, max_len: int, block_size: int, graphs: bool | None = None,
+                 compile: bool = False):
         super().__init__(model)  # no hooks of its own: the runner captures the features
         self.layer_ids = [int(k) for k in layer_ids]
         self.block_size = block_size
-        self.runner = DecodingRunner(model, rows=1, max_len=max_len, layer_ids=self.layer_ids, graphs=graphs)
+        self.runner = DecodingRunner(model, rows=1, max_len=max_len, layer_ids=self.layer_ids, graphs=graphs,
+                                     compile=compile)
 
     def close(self) -> None:
         self.runner.close()
@@ -65,12 +67,12 @@ class GraphedTarget(Target):
 
 class GraphedDraft(DFlashDraft):
     def __init__(self, model: DFlashDrafter, target: GraphedTarget, *, max_len: int, block_size: int | None = None,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, compile: bool = False):
         super().__init__(model, target, block_size)
         vocab = target.model.get_output_embeddings().weight.shape[0]
         self.static = StaticDrafter(model, embed=target.embed, head=target.logits, vocab_size=vocab,
                                     feature_dtype=target.runner.dtype, max_len=max_len, block_size=self.block_size,
-                                    graphs=graphs)
+                                    graphs=graphs, compile=compile)
 
     def reset(self) -> None:
         pass  # what a round sees is decided by its start position alone

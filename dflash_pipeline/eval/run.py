@@ -46,6 +46,7 @@ class EvalConfig:
     seed: int = 0
     dtype: str = "auto"                    # auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16
     device: str = "auto"                   # auto (cuda if available), cpu, cuda, cuda:N
+    compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
     json: bool = False                     # print the report as JSON instead of tables
 
     def __post_init__(self):
@@ -207,12 +208,15 @@ def make_participants(model, drafter_model, prompts, cfg: EvalConfig, progress: 
     block = int(cfg.block_size or drafter_model.config.block_size)
     reason = unsupported_reason(model)
     if reason:
-        progress.say(f"eager decoding (no static cache, no CUDA graphs): {reason}")
+        ignored = "; --compile has no effect there" if cfg.compile else ""
+        progress.say(f"eager decoding (no static cache, no CUDA graphs): {reason}{ignored}")
         target = Target(model, layer_ids)
         return target, DFlashDraft(drafter_model, target, cfg.block_size)
     max_len = max(len(ids) for _, ids in prompts) + cfg.max_new_tokens + block
-    target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block)
-    return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block)
+    if cfg.compile:
+        progress.say("compiling the decode, verify and drafter steps at their first calls (a minute or more)")
+    target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block, compile=cfg.compile)
+    return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=cfg.compile)
 
 
 def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any]:
