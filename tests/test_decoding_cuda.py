@@ -136,3 +136,18 @@ def speculative_equals_generate(kind: str, compile: bool) -> None:
         assert {s.accepted for s in spec.steps} >= set(range(B - 1))  # acceptances of every length
     finally:
         target.close()
+
+
+def test_step_timer_keeps_every_time_and_drains_finished_events():
+    from dflash_pipeline.decoding.graphs import StepTimer
+
+    x = torch.randn(256, 256, device=DEVICE)
+    timer = StepTimer(torch.device(DEVICE))
+    for _ in range(300):
+        with timer("matmul"):
+            x = torch.tanh(x @ x)
+    if DEVICE == "cuda":
+        assert len(timer._events["matmul"]) <= 257  # drained as they finish, not all kept
+    times = timer.times("matmul")
+    assert len(times) == 300 and min(times) > 0
+    assert timer.summary()["matmul"] == sorted(times)[150]

@@ -76,11 +76,21 @@ class StepTimer:
             start.record()
             yield
             end.record()
-            self._events.setdefault(name, []).append((start, end))
+            pending = self._events.setdefault(name, [])
+            pending.append((start, end))
+            if len(pending) > 256:  # read the finished ones without waiting, so events do not pile up
+                self._drain(name, pending)
         else:
             t0 = time.perf_counter()
             yield
             self._ms.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+
+    def _drain(self, name: str, pending: list) -> None:
+        done = 0
+        while done < len(pending) and pending[done][1].query():
+            done += 1
+        self._ms.setdefault(name, []).extend(s.elapsed_time(e) for s, e in pending[:done])
+        del pending[:done]
 
     def times(self, name: str) -> list[float]:
         """Every recorded time of `name` in ms (synchronises once on CUDA)."""

@@ -8,8 +8,10 @@ prompts; tree decoding verifies a tree of q nodes per row. All three are the sam
   token and, on request, the captured layer features of every prompt token;
 - `step(q)`: one forward of q new tokens for every row, from the static inputs `inputs(q)` (token ids,
   RoPE offsets, the q x q in-block mask); fp32 logits, their argmax and the captured features land in
-  static outputs. On CUDA it is one graph launch after the first call of each q. A step writes the
-  rows' K/V at slots [len, len + q) but commits nothing;
+  static outputs. On CUDA it is one graph launch after the first call of each shape. A step writes the
+  rows' K/V at slots [len, len + q) but commits nothing. It attends to the first 256, 512, 1024, ...
+  slots (a graph per q and bucket), the smallest bucket that holds the longest row, so short rows do
+  not pay for reading the whole cache;
 - `set_length(row, n)` / `advance(n)`: commit or roll back, O(1): the row's committed slots are [0, n);
   whatever lies beyond is invisible to later steps and overwritten by them;
 - `compact(row, src, dst)`: copy the accepted slots of a tree path to contiguous slots before commit.
@@ -40,6 +42,7 @@ from dflash_pipeline.decoding.graphs import GraphedStep, new_pool
 from dflash_pipeline.extract.target import decoder_layers, text_config
 
 SLOT_ROUND = 64  # slot counts are rounded up to this: aligned mask rows, fewer distinct prefill shapes
+MIN_ATTENDED = 256  # steps attend to the first 256, 512, 1024, ... slots: what the longest row needs
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -243,12 +246,20 @@ class DecodingRunner:
         """One forward of the q tokens in `inputs(q)` for every row; commits nothing."""
         for r in range(self.rows):
             self._check_room(r, q)
-        if q not in self._steps:
-            self._steps[q] = GraphedStep(self._step_fn(self.inputs(q)), self.device, self._pool, self.graphs)
-        self._steps[q]()
+        key = (q, self._attended(q))
+        if key not in self._steps:
+            self._steps[key] = GraphedStep(self._step_fn(self.inputs(q), key[1]), self.device, self._pool, self.graphs)
+        self._steps[key]()
         return self._io[q]
 
-    def _step_fn(self, io: StepIO):
+    def _attended(self, q: int) -> int:
+        """Slots a step of q tokens attends to: the smallest power-of-two bucket holding every row's block."""
+        need, bucket = max(self.host_lengths) + q, MIN_ATTENDED
+        while bucket < need:
+            bucket *= 2
+        return min(bucket, self.slots)
+
+    def _step_fn(self, io: StepIO, slots: int):
         H = self.hidden_size
 
         def capture(i: int, h: torch.Tensor) -> None:
@@ -256,7 +267,7 @@ class DecodingRunner:
 
         def fn() -> None:
             state = StepState(self.kv, slice(None), self.lengths_R, io.offsets_Rq, io.block_mask_Rqq,
-                              self.slot_pos_RS, self.slots, capture=capture if self.layer_ids else None)
+                              self.slot_pos_RS, slots, capture=capture if self.layer_ids else None)
             with active(state):
                 io.logits_RqV.copy_(self._forward(io.ids_Rq, state.pos_Rq))
             torch.argmax(io.logits_RqV, dim=-1, out=io.argmax_Rq)
