@@ -157,9 +157,9 @@ def test_steps_attend_to_the_bucket_the_longest_row_needs():
     prompts = [list(range(1, 90)) * 3, [4, 5, 6]]  # 267 and 3 tokens: one row past the first bucket
     want = [hf_greedy(model, p, 8) for p in prompts]
     with DecodingRunner(model, rows=2, max_len=600) as runner:
-        assert runner.slots == 640 and runner._attended(1) == 256
+        assert runner.slots == 640 and runner.attended_slots(1) == 256
         out = [[int(runner.prefill(r, p)[0][-1].argmax())] for r, p in enumerate(prompts)]
-        assert runner._attended(1) == 512
+        assert runner.attended_slots(1) == 512
         io = runner.inputs(1)
         for _ in range(7):
             io.ids_Rq[:, 0] = torch.tensor([o[-1] for o in out])
@@ -168,7 +168,7 @@ def test_steps_attend_to_the_bucket_the_longest_row_needs():
             for r in range(2):
                 out[r].append(int(io.argmax_Rq[r, 0]))
         runner.reset(0)
-        assert runner._attended(1) == 256
+        assert runner.attended_slots(1) == 256
     assert out == want
 
 

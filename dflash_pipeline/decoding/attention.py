@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from typing import Iterable
 
 import torch
 
@@ -41,19 +42,21 @@ _ACTIVE = threading.local()
 
 
 class StaticKV:
-    """Per-layer key and value buffers [rows, hk, slots, D]: the whole cache, allocated once."""
+    """Key and value buffers of every layer, [layers, rows, hk, slots, D] each: the whole cache,
+    allocated once. One tensor per kind, indexed by the layer number, so that a compiled layer reads
+    its buffer with the same code whatever its index."""
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, slots: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (rows, kv_heads, slots, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.slots = slots
+        shape = (num_layers, rows, kv_heads, slots, head_dim)
+        self.keys_L = torch.zeros(shape, dtype=dtype, device=device)
+        self.values_L = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots, self.kv_heads, self.head_dim, self.dtype = slots, kv_heads, head_dim, dtype
 
     def copy_slots(self, row: int, src_n: torch.Tensor, dst_n: torch.Tensor) -> None:
         """Move the entries of one row's slots `src_n` to slots `dst_n` in every layer."""
-        for buf in (*self.keys, *self.values):
-            buf[row].index_copy_(1, dst_n, buf[row].index_select(1, src_n))
+        for buf in (self.keys_L, self.values_L):
+            buf[:, row].index_copy_(2, dst_n, buf[:, row].index_select(2, src_n))
 
 
 def target_visible(lengths_R: torch.Tensor, block_mask_Rqq: torch.Tensor, slots: int) -> torch.Tensor:
@@ -96,42 +99,43 @@ class StepState:
     """Where one forward over some rows writes, and what each of its queries may see.
 
     Built at the start of a step (inside the captured graph on CUDA): the slots and positions of the
-    new tokens, their positions recorded per slot (for sliding windows), the visibility of every slot.
-    Masks per (window, groups) are made on first use by a layer and shared by the others.
+    new tokens, their positions recorded per slot (for sliding windows), and one additive mask per
+    sliding window the model's layers use (`windows`, None = full attention), shared by those layers.
+    Everything a layer reads is made here, before the model runs, so that a compiled layer finds the
+    same structure at every call.
     """
 
     def __init__(self, kv: StaticKV, rows: slice, lengths_R: torch.Tensor, offsets_Rq: torch.Tensor,
-                 block_mask_Rqq: torch.Tensor, slot_pos_RS: torch.Tensor, slots: int, capture=None):
+                 block_mask_Rqq: torch.Tensor, slot_pos_RS: torch.Tensor, slots: int, *, groups: int,
+                 windows: Iterable[int | None] = (None,), capture=None):
         R, q = offsets_Rq.shape
-        self.kv, self.rows, self.slots, self.capture = kv, rows, slots, capture
-        arange_q = torch.arange(q, device=lengths_R.device)
-        self.write_Rq = lengths_R[:, None] + arange_q
+        self.kv, self.rows, self.slots, self.groups, self.capture = kv, rows, slots, groups, capture
+        write_Rq = lengths_R[:, None] + torch.arange(q, device=lengths_R.device)
         self.pos_Rq = lengths_R[:, None] + offsets_Rq
-        slot_pos_RS.scatter_(1, self.write_Rq, self.pos_Rq)
+        slot_pos_RS.scatter_(1, write_Rq, self.pos_Rq)
         self.slot_pos_RS = slot_pos_RS[:, :slots]
         self.visible_RqS = target_visible(lengths_R, block_mask_Rqq, slots)
-        self._index = None
-        self._masks: dict[tuple, torch.Tensor] = {}
+        self.index_RkqD = write_Rq[:, None, :, None].expand(R, kv.kv_heads, q, kv.head_dim)
+        self.masks = {w: self._mask(w) for w in set(windows)}
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        vis = self.visible_RqS
+        if window is not None:
+            vis = vis & (self.pos_Rq[:, :, None] - self.slot_pos_RS[:, None, :] < window)
+        return fold_mask(vis, self.groups, self.kv.dtype)
 
     def write(self, layer: int, key_RkqD: torch.Tensor, value_RkqD: torch.Tensor):
         """Store the new keys/values at the step's slots; the layer's attended K and V [R, hk, S, D]."""
-        if self._index is None:
-            R, hk, q, D = key_RkqD.shape
-            self._index = self.write_Rq[:, None, :, None].expand(R, hk, q, D)
-        k_buf = self.kv.keys[layer][self.rows]
-        v_buf = self.kv.values[layer][self.rows]
-        k_buf.scatter_(2, self._index, key_RkqD.to(k_buf.dtype))
-        v_buf.scatter_(2, self._index, value_RkqD.to(v_buf.dtype))
+        k_buf = self.kv.keys_L[layer][self.rows]
+        v_buf = self.kv.values_L[layer][self.rows]
+        k_buf.scatter_(2, self.index_RkqD, key_RkqD.to(k_buf.dtype))
+        v_buf.scatter_(2, self.index_RkqD, value_RkqD.to(v_buf.dtype))
         return k_buf[:, :, :self.slots], v_buf[:, :, :self.slots]
 
-    def mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (window, groups, dtype)
-        if key not in self._masks:
-            vis = self.visible_RqS
-            if window is not None:
-                vis = vis & (self.pos_Rq[:, :, None] - self.slot_pos_RS[:, None, :] < window)
-            self._masks[key] = fold_mask(vis, groups, dtype)
-        return self._masks[key]
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:  # a window the runner did not foresee: made once, then shared
+            self.masks[window] = self._mask(window)
+        return self.masks[window]
 
 
 @contextmanager
@@ -156,7 +160,7 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     if state is None:
         raise RuntimeError(f"attention '{STATIC_ATTENTION}' runs only inside a DecodingRunner step")
     k_all, v_all = state.write(module.layer_idx, key, value)
-    bias = state.mask(sliding_window, query.shape[1] // key.shape[1], query.dtype)
+    bias = state.mask(sliding_window).to(query.dtype)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return folded_attention(query, k_all, v_all, bias, scale, softcap), None
 

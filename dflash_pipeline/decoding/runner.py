@@ -32,6 +32,7 @@ Legend: R rows, q tokens per row in a step, V vocabulary, F = len(layer_ids) * H
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -103,6 +104,7 @@ class DecodingRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.kv = StaticKV(cfg.num_hidden_layers, rows, kv_heads, self.slots, head_dim, self.dtype, self.device)
+        self.groups = heads // kv_heads
         self.lengths_R = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.host_lengths = [0] * rows
         self.slot_pos_RS = torch.zeros(rows, self.slots, dtype=torch.long, device=self.device)
@@ -110,13 +112,20 @@ class DecodingRunner:
         self.hidden_size = cfg.hidden_size
         layers = decoder_layers(model)
         self._hooks = [layers[k].register_forward_hook(self._hook(i)) for i, k in enumerate(self.layer_ids)]
+        # The sliding windows the layers will ask for (per layer, or the config's for all layers).
+        self.windows = {None, getattr(cfg, "sliding_window", None),
+                        *(getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers)}
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._prev_attn = model.config._attn_implementation
         model.set_attn_implementation(STATIC_ATTENTION)
-        # compile: the steps' forward (not the prefill's varying shapes) through torch.compile before it is
-        # captured, so that its elementwise chains (norms, RoPE, residuals) become fused kernels inside
-        # the graph; one compilation per step shape, at its first call.
-        self._forward = torch.compile(self._logits, dynamic=False) if compile else self._logits
+        # compile: in the steps (not the prefill, whose shapes vary), each decoder layer runs through
+        # torch.compile before the step is captured, so that its elementwise chains (norms, RoPE,
+        # residual adds) become fused kernels inside the graph. Layer by layer ("regional"): the layers
+        # share one compiled code per step shape, so compiling costs one layer's time, not the model's.
+        # The layer's forward, not its __call__: the feature hooks stay outside the compiled code (one
+        # code for every layer, hooked or not). Automatic dynamic (no dynamic=False): the layer index
+        # and the step shapes become symbolic after their first change instead of compiling again.
+        self._compiled = [torch.compile(layer.forward) for layer in layers] if compile else None
         self._pool = new_pool(self.device)
         self._io: dict[int, StepIO] = {}
         self._steps: dict[int, GraphedStep] = {}
@@ -214,7 +223,7 @@ class DecodingRunner:
         state = StepState(
             self.kv, rows, self.lengths_R[rows], torch.arange(c, device=self.device)[None],
             torch.ones(c, c, dtype=torch.bool, device=self.device).tril()[None], self.slot_pos_RS[rows],
-            min(self.slots, round_up(start + c, SLOT_ROUND)),
+            min(self.slots, round_up(start + c, SLOT_ROUND)), groups=self.groups, windows=self.windows,
             capture=(lambda i, h: parts.__setitem__(i, h)) if features else None,
         )
         kw = {"logits_to_keep": 1} if self._keep_kw and not all_logits else {}
@@ -246,13 +255,13 @@ class DecodingRunner:
         """One forward of the q tokens in `inputs(q)` for every row; commits nothing."""
         for r in range(self.rows):
             self._check_room(r, q)
-        key = (q, self._attended(q))
+        key = (q, self.attended_slots(q))
         if key not in self._steps:
             self._steps[key] = GraphedStep(self._step_fn(self.inputs(q), key[1]), self.device, self._pool, self.graphs)
         self._steps[key]()
         return self._io[q]
 
-    def _attended(self, q: int) -> int:
+    def attended_slots(self, q: int) -> int:
         """Slots a step of q tokens attends to: the smallest power-of-two bucket holding every row's block."""
         need, bucket = max(self.host_lengths) + q, MIN_ATTENDED
         while bucket < need:
@@ -267,15 +276,37 @@ class DecodingRunner:
 
         def fn() -> None:
             state = StepState(self.kv, slice(None), self.lengths_R, io.offsets_Rq, io.block_mask_Rqq,
-                              self.slot_pos_RS, slots, capture=capture if self.layer_ids else None)
-            with active(state):
-                io.logits_RqV.copy_(self._forward(io.ids_Rq, state.pos_Rq))
+                              self.slot_pos_RS, slots, groups=self.groups, windows=self.windows,
+                              capture=capture if self.layer_ids else None)
+            with active(state), self._compiled_layers():
+                io.logits_RqV.copy_(self._logits(io.ids_Rq, state.pos_Rq))
             torch.argmax(io.logits_RqV, dim=-1, out=io.argmax_Rq)
 
         return fn
 
     def _logits(self, ids_Rq: torch.Tensor, pos_Rq: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids_Rq, position_ids=pos_Rq, use_cache=False).logits
+
+    @contextmanager
+    def _compiled_layers(self):
+        """The decoder layers run their compiled forwards inside."""
+        if not self._compiled:
+            yield
+            return
+        layers = decoder_layers(self.model)
+        before = [layer.__dict__.get("forward") for layer in layers]  # e.g. accelerate's hook wrappers
+        for layer, fn in zip(layers, self._compiled):
+            layer.forward = fn  # an instance attribute: shadows the class's forward until restored
+        try:
+            # layer_idx a dynamic int: every layer shares one compiled code per kind of layer and shape
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=64):
+                yield
+        finally:
+            for layer, fn in zip(layers, before):
+                if fn is None:
+                    del layer.forward
+                else:
+                    layer.forward = fn
 
 
 __all__ = ["DecodingRunner", "StepIO", "unsupported_reason", "round_up"]
