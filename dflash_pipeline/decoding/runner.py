@@ -23,6 +23,10 @@ Layer features (the drafter's input) are the outputs of decoder layers `layer_id
 hidden_states[k + 1], before the final norm), taken by forward hooks into a static buffer inside the
 graph, concatenated in `layer_ids` order.
 
+Inside a graph a step is still one kernel per operation (about 2,000 for a Qwen3-8B decode step);
+`compile=True` runs the steps' decoder layers through torch.compile before capture, which fuses the
+elementwise chains between the matrix products.
+
 Targets whose layers are not all attention layers (recurrent / linear-attention hybrids, chunked
 attention) are refused by `unsupported_reason`; callers fall back to the eager path for them.
 
@@ -128,7 +132,7 @@ class DecodingRunner:
         self._compiled = [torch.compile(layer.forward) for layer in layers] if compile else None
         self._pool = new_pool(self.device)
         self._io: dict[int, StepIO] = {}
-        self._steps: dict[int, GraphedStep] = {}
+        self._steps: dict[tuple[int, int], GraphedStep] = {}  # (q, attended slots)
 
     def _hook(self, i: int):
         def fn(module, args, output):
