@@ -183,11 +183,12 @@ def bench_steps(model, shape: dict, context: int, block: int, iters: int, hf_tok
     static.io.start_R.fill_(context)
     static.io.n_new_R.fill_(block)  # the widest context append a round can have
     draft = median_ms(static.step, iters)
-    bound, bound_kv = decode_bound_ms(model, runner.slots)
+    attended = runner.attended_slots(1)
+    bound, bound_kv = decode_bound_ms(model, attended)
     runner.close()
     return {
         "compiled": compile, "drafter_first_call_s": capture_s, "context": context, "block": block,
-        "attended_slots": runner.slots,
+        "attended_slots": attended,
         "decode_ms": decode, "verify_ms": verify, "drafter_ms": draft,
         "decode_bound_ms": bound, "decode_bound_with_kv_ms": bound_kv,
         "decode_over_bound": decode / bound, "verify_over_decode": verify / decode,

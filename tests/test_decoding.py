@@ -149,6 +149,10 @@ def test_rows_are_independent_and_a_row_is_refilled_while_others_decode():
     assert out[2] == want_fresh[:len(out[2])] and len(out[2]) == 9 - base + 1
     assert runner.host_lengths == [len(prompts[0]) + 9, len(prompts[1]) + 9, len(fresh) + 9 - base]
     assert runner.lengths_R.tolist() == runner.host_lengths
+    runner.set_lengths([3, 0, 5])  # per-row commits in one call
+    assert runner.lengths_R.tolist() == runner.host_lengths == [3, 0, 5]
+    with pytest.raises(ValueError, match="set_lengths"):
+        runner.set_lengths([1, 2])
     runner.close()
 
 

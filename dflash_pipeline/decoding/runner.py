@@ -12,8 +12,8 @@ prompts; tree decoding verifies a tree of q nodes per row. All three are the sam
   rows' K/V at slots [len, len + q) but commits nothing. It attends to the first 256, 512, 1024, ...
   slots (a graph per q and bucket), the smallest bucket that holds the longest row, so short rows do
   not pay for reading the whole cache;
-- `set_length(row, n)` / `advance(n)`: commit or roll back, O(1): the row's committed slots are [0, n);
-  whatever lies beyond is invisible to later steps and overwritten by them;
+- `set_length(row, n)` / `set_lengths([n, ...])` / `advance(n)`: commit or roll back, O(1): the row's
+  committed slots are [0, n); whatever lies beyond is invisible to later steps and overwritten by them;
 - `compact(row, src, dst)`: copy the accepted slots of a tree path to contiguous slots before commit.
 
 A row's length lives on the device (the graphs read it) with a mirror on the host (capacity checks and
@@ -175,6 +175,14 @@ class DecodingRunner:
         """Every row commits n more slots (plain decoding of all rows)."""
         self.host_lengths = [x + n for x in self.host_lengths]
         self.lengths_R.add_(n)
+
+    def set_lengths(self, lengths: Sequence[int]) -> None:
+        """Every row's committed length at once (rows accepting different counts, idle rows at 0): one
+        small copy that does not wait for the device."""
+        if len(lengths) != self.rows or not all(0 <= n <= self.slots for n in lengths):
+            raise ValueError(f"set_lengths: {self.rows} lengths in [0, {self.slots}] expected, got {list(lengths)}")
+        self.host_lengths = [int(n) for n in lengths]
+        self.lengths_R.copy_(torch.tensor(self.host_lengths, dtype=torch.long), non_blocking=True)
 
     def length(self, row: int) -> int:
         return self.host_lengths[row]
