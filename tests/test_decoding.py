@@ -173,6 +173,10 @@ def test_steps_attend_to_the_bucket_the_longest_row_needs():
                 out[r].append(int(io.argmax_Rq[r, 0]))
         runner.reset(0)
         assert runner.attended_slots(1) == 256
+        before = list(runner.host_lengths)
+        assert runner.prepare((1, 4)) == 6  # q in (1, 4) x buckets 256, 512, 640 (all slots)
+        assert set(runner._steps) == {(q, s) for q in (1, 4) for s in (256, 512, 640)}
+        assert runner.host_lengths == before and runner.lengths_R.tolist() == before
     assert out == want
 
 

@@ -273,6 +273,25 @@ class DecodingRunner:
         self._steps[key]()
         return self._io[q]
 
+    @torch.inference_mode()
+    def prepare(self, qs: Sequence[int]) -> int:
+        """Capture (and compile) every step graph of these q for every slot bucket now, so that none is
+        built in the middle of a timed or latency-bound run; the number of graphs. It runs real steps
+        over all rows, so call it before rows hold anything worth keeping; lengths are restored."""
+        before = list(self.host_lengths)
+        for q in qs:
+            bucket = MIN_ATTENDED
+            while True:
+                top = min(bucket, self.slots)
+                self.set_lengths([max(top - q, 0)] * self.rows)
+                if top >= q:
+                    self.step(q)
+                if top == self.slots:
+                    break
+                bucket *= 2
+        self.set_lengths(before)
+        return len(self._steps)
+
     def attended_slots(self, q: int) -> int:
         """Slots a step of q tokens attends to: the smallest power-of-two bucket holding every row's block."""
         need, bucket = max(self.host_lengths) + q, MIN_ATTENDED

@@ -216,6 +216,9 @@ def make_participants(model, drafter_model, prompts, cfg: EvalConfig, progress: 
     if cfg.compile:
         progress.say("compiling the decode, verify and drafter steps at their first calls (a minute or more)")
     target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block, compile=cfg.compile)
+    graphs = target.runner.prepare((1, block))  # none is built later, inside a timed prompt
+    if target.runner.graphs:
+        progress.say(f"captured {graphs} CUDA graphs of the decode and verify steps")
     return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=cfg.compile)
 
 
