@@ -57,7 +57,7 @@ part() {  # part NAME SECONDS CMD...
 for p in $parts; do
   case $p in
   cuda-tests)
-    part cuda-tests "${LIMIT_CUDA_TESTS:-300}" "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py \
+    part cuda-tests "${LIMIT_CUDA_TESTS:-420}" "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py \
       tests/test_decoding_cuda.py ;;
   replica)
     # --gpus-per-replica 2 against the whole target on one GPU: the same store (needs two GPUs).
