@@ -323,16 +323,19 @@ def main() -> None:
             model = random_target(smol)
         prompts = random_prompts(4, 16 if args.smoke else 128, model.config.vocab_size)
         out["plain"] = bench_plain(model, prompts, args.new_tokens, min(args.new_tokens, 64))
+        save_json(args.json, out)  # after every part: a part cut short by the time limit keeps the others
         del model
     if "steps" not in skip:
         model = random_target(qwen, "qwen3")
         iters = 10 if args.smoke else 50
         out["steps"] = bench_steps(model, qwen, args.context, 16, iters, hf_tokens=4 if args.smoke else 16)
+        save_json(args.json, out)
         if "compiled" not in skip:
             try:  # the same steps with the elementwise chains fused by torch.compile
                 out["steps_compiled"] = bench_steps(model, qwen, args.context, 16, iters, hf_tokens=0, compile=True)
             except Exception as e:  # report and go on: the other parts still run
                 out["steps_compiled"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        save_json(args.json, out)
         del model
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
