@@ -299,8 +299,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=".bench_assets/tokenizer", help="tokenizer files for the e2e target")
     ap.add_argument("--work", default="/tmp/dflash-bench-eval")
     ap.add_argument("--target", default=None, help="a real target folder for plain and e2e (default: random)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: plain, steps, compiled (the "
-                    "compiled variant of steps), e2e")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: plain, steps, e2e, compiled (the "
+                    "steps again with torch.compile, run last)")
     ap.add_argument("--context", type=int, default=1024, help="steps: context length of the timed steps")
     ap.add_argument("--prompts", type=int, default=80)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -312,8 +312,15 @@ def main() -> None:
     smol, qwen = (SMOKE_SMOL, SMOKE_QWEN) if args.smoke else (SMOLLM2, QWEN3_8B)
     if args.smoke:
         args.context, args.prompts, args.new_tokens = 64, 3, 12
+    iters = 10 if args.smoke else 50
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
            "dtype": str(DTYPE).removeprefix("torch."), "smoke": args.smoke}
+
+    def done(part: str, result: dict) -> None:
+        """Keep a finished part: into the JSON and the log at once, so a time limit loses only the rest."""
+        out[part] = result
+        save_json(args.json, out)
+        print("\n".join(table({part: result})), flush=True)
     if "plain" not in skip:
         if args.target:
             from dflash_pipeline.extract.target import load_target
@@ -322,27 +329,22 @@ def main() -> None:
         else:
             model = random_target(smol)
         prompts = random_prompts(4, 16 if args.smoke else 128, model.config.vocab_size)
-        out["plain"] = bench_plain(model, prompts, args.new_tokens, min(args.new_tokens, 64))
-        save_json(args.json, out)  # after every part: a part cut short by the time limit keeps the others
+        done("plain", bench_plain(model, prompts, args.new_tokens, min(args.new_tokens, 64)))
         del model
+    qwen_model = None
     if "steps" not in skip:
-        model = random_target(qwen, "qwen3")
-        iters = 10 if args.smoke else 50
-        out["steps"] = bench_steps(model, qwen, args.context, 16, iters, hf_tokens=4 if args.smoke else 16)
-        save_json(args.json, out)
-        if "compiled" not in skip:
-            try:  # the same steps with the elementwise chains fused by torch.compile
-                out["steps_compiled"] = bench_steps(model, qwen, args.context, 16, iters, hf_tokens=0, compile=True)
-            except Exception as e:  # report and go on: the other parts still run
-                out["steps_compiled"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-        save_json(args.json, out)
-        del model
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+        qwen_model = random_target(qwen, "qwen3")
+        done("steps", bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=4 if args.smoke else 16))
     if "e2e" not in skip:
-        out["e2e"] = bench_e2e(args.work, args.tokenizer, smol, args.prompts, args.new_tokens, 16, args.target)
-    save_json(args.json, out)
-    print("\n".join(table(out)))
+        done("e2e", bench_e2e(args.work, args.tokenizer, smol, args.prompts, args.new_tokens, 16, args.target))
+    if "compiled" not in skip:  # last: compiling takes minutes, the other parts are safe by then
+        try:  # the same steps with the elementwise chains fused by torch.compile
+            qwen_model = qwen_model or random_target(qwen, "qwen3")
+            result = bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=0, compile=True)
+        except Exception as e:  # report it in the table instead of losing the run
+            result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        done("steps_compiled", result)
+    print("\n== summary\n" + "\n".join(table(out)))
 
 
 if __name__ == "__main__":
