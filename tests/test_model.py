@@ -13,13 +13,10 @@ import warnings
 import pytest
 import torch
 
-from dflash_pipeline.train.blocks import (
-    IGNORE_LABEL, anchor_candidates, build_blocks, default_gamma, pad_anchors, sample_anchors,
-)
+from dflash_pipeline.method import block_input_ids, choose_mask_token_id, default_gamma, default_layer_ids
+from dflash_pipeline.train.blocks import IGNORE_LABEL, anchor_candidates, build_blocks, pad_anchors, sample_anchors
 from dflash_pipeline.train.export import export_drafter
-from dflash_pipeline.train.model import (
-    DFlashDrafter, DrafterConfig, block_input_ids, choose_mask_token_id, default_layer_ids, init_drafter_weights,
-)
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
 H, F_N, V, B = 32, 3, 64, 8
 
@@ -280,7 +277,7 @@ def test_compiled_kernels_under_autocast_on_cuda_are_as_accurate_as_eager():
 def _step_batch(seed: int = 0, K: int = 4):
     """A packed two-row Batch on the host (the rows of `packed_batch`), with tokens, a loss mask with
     holes and random teacher top-k."""
-    from dflash_pipeline.train.data import Batch
+    from dflash_pipeline.train.batch import Batch
 
     b, _ = packed_batch(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -328,6 +325,39 @@ def test_step_blocks_come_from_the_host_copy_only(kind, causal):
     valid = (ref.block_id_RQ >= 0)[:, :, None]
     pairs = sum(int((dense_mask(layout, c, win)[:, 0] & valid).sum()) for c, win in kinds)
     assert st.attn_pairs == pairs
+
+
+def test_step_counts_top1_and_topk_hits_per_slot_from_the_loss_logits():
+    """The step's per-slot top-1 (argmax) and top-k (k in TOPK_ACCURACY: fewer than k larger logits) counts
+    equal those of the full logits of the same hidden states (no second head pass in the step)."""
+    from dflash_pipeline.train.step import TOPK_ACCURACY, Frozen, draw_anchors, run_blocks, stage_blocks
+
+    cfg = tiny_config("full")
+    model = random_drafter(cfg)
+    batch = _step_batch()
+    g = torch.Generator().manual_seed(3)
+    # A coarse head (values on a grid of 0.5) makes ties between logits common, as in bf16.
+    frozen = Frozen(torch.randn(V, H, generator=g), (torch.randn(V, H, generator=g) * 0.25).round() / 2)
+    anchors = draw_anchors(batch, 5, torch.Generator().manual_seed(0), B)
+    captured = {}
+    hook = model.register_forward_hook(lambda m, a, o: captured.__setitem__("h", o))
+    with torch.no_grad():
+        out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0,
+                         kl_weight=0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=128, g=None, autocast=False)
+    hook.remove()
+    st = stage_blocks(batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0,
+                      layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=torch.device("cpu"))
+    hidden = captured["h"].reshape(-1, H)[st.sel_N]
+    logits = hidden @ frozen.head_VH.T
+    rank = (logits > logits.gather(1, st.labels_N[:, None])).sum(-1)  # ties count for the label
+    argmax_hit = logits.argmax(-1) == st.labels_N
+    slot = st.sel_N % B
+    assert torch.equal(out.count_B, torch.bincount(slot, minlength=B))
+    assert torch.equal(out.correct_B, torch.bincount(slot[argmax_hit], minlength=B))
+    assert out.topk_correct_JB.shape == (len(TOPK_ACCURACY), B)
+    for j, k in enumerate(TOPK_ACCURACY):
+        assert torch.equal(out.topk_correct_JB[j], torch.bincount(slot[rank < k], minlength=B))
+    assert 0 < int(out.correct_B.sum()) < int(out.topk_correct_JB[0].sum()) < int(out.topk_correct_JB[1].sum())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -517,3 +547,23 @@ def test_blocks_feed_the_model_end_to_end():
         out = model(batch["features_RSF"], batch["ctx_pos_RS"], batch["ctx_doc_RS"], emb_table[blocks.token_ids_RQ],
                     blocks.pos_RQ, blocks.doc_RQ, blocks.block_id_RQ)
     assert torch.isfinite(out).all() and out.shape == (2, anchors.shape[1] * B, H)
+
+
+def test_drafter_options_are_constructor_arguments_and_never_saved():
+    """Switches of how the drafter computes: given at construction, validated, absent from the state
+    dict (the export and checkpoints do not change with them), and they change no number."""
+    from dflash_pipeline.train.model import DrafterOptions
+
+    cfg = tiny_config("sliding")
+    plain = random_drafter(cfg)
+    switched = DFlashDrafter(cfg, DrafterOptions(checkpoint_layers=1, compile_kernels=False, attn_backend="flex"))
+    switched.load_state_dict(plain.state_dict())
+    assert switched.state_dict().keys() == plain.state_dict().keys()
+    assert (switched.checkpoint_layers, switched.compile_kernels, switched.attn_backend) == (1, False, "flex")
+    batch, _ = packed_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(switched.eval()(**batch), plain(**batch), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention backend"):
+        DrafterOptions(attn_backend="fast")
+    with pytest.raises(ValueError, match="checkpoint_layers"):
+        plain.checkpoint_layers = -1

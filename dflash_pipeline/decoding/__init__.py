@@ -1,4 +1,4 @@
-"""Fast decoding: a static KV cache and one CUDA graph launch per step.
+"""Decoding machinery shared by `dflash eval`, `dflash generate` and training's held-out estimates.
 
 A decode step of a Hugging Face causal LM is hundreds of small kernels, and on a host that is slow per
 launch the GPU waits for Python. Here every step shape (q new tokens per row) is captured once as a
@@ -11,6 +11,8 @@ graphs.py     capture-once/replay steps (eager on the CPU) and per-step timers (
 runner.py     DecodingRunner: rows of independent sequences over one target (prefill a row, step all
               rows, commit or roll back a row's length, compact a tree path, layer features)
 drafter.py    StaticDrafter: the DFlash drafter's block step over a static context cache
+tree.py       DDTree: the draft tree built from one drafter pass, its verification mask and positions, the
+              exact acceptance walks (greedy, sampling, reference continuation) and the held-out estimate
 
 Nothing is imported here, so that `dflash --help` stays fast.
 """
