@@ -68,7 +68,8 @@ def random_target(shape: dict, family: str = "llama"):
 
 
 def random_drafter(target_cfg: dict, num_layers: int, block_size: int, num_target_layers: int):
-    from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, default_layer_ids, init_drafter_weights
+    from dflash_pipeline.method import default_layer_ids
+    from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
     heads = target_cfg["num_attention_heads"]
     cfg = DrafterConfig(hidden_size=target_cfg["hidden_size"], intermediate_size=target_cfg["intermediate_size"],

@@ -15,7 +15,8 @@ import torch
 
 from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner, unsupported_reason
-from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, block_input_ids, init_drafter_weights
+from dflash_pipeline.method import block_input_ids
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 from decoding_helpers import hf_greedy, tiny_causal_lm as tiny
 
 V = 96  # the vocabulary of helpers.tiny_causal_lm
