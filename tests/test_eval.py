@@ -21,14 +21,17 @@ import torch
 
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval import speculative
-from dflash_pipeline.eval.models import Target, stop_token_ids
+from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
+from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
 from dflash_pipeline.eval.report import PromptResult, render_report, summarize
-from dflash_pipeline.eval.run import EvalConfig, evaluate, run_eval
+from dflash_pipeline.eval.run import EvalConfig, evaluate, make_participants, run_eval
+from dflash_pipeline.progress import LiveLine
 from dflash_pipeline.eval.speculative import (
     greedy_accept, rejection_accept, residual, speculative_generate, target_generate,
 )
 from dflash_pipeline.train.export import export_drafter
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 
 SMOL_LAYERS = [1, 8, 14, 20, 27]
 
@@ -133,10 +136,16 @@ def tiny_llama(vocab: int = 6, seed: int = 0, head_std: float = 0.3):
 
 def test_greedy_accept_takes_matching_prefix_then_target_token():
     target = torch.tensor([5, 6, 7, 8])
-    assert greedy_accept(torch.tensor([5, 6, 7]), target) == (3, 8)  # all accepted: bonus
-    assert greedy_accept(torch.tensor([5, 0, 7]), target) == (1, 6)  # first miss replaced by the target's token
-    assert greedy_accept(torch.tensor([0, 6, 7]), target) == (0, 5)  # later matches do not count
-    assert greedy_accept(torch.tensor([], dtype=torch.long), target[:1]) == (0, 5)
+
+    def accept(draft):
+        n, token = greedy_accept(torch.tensor(draft, dtype=torch.long), target[:len(draft) + 1])
+        assert n.shape == token.shape == ()  # device tensors: the loop reads them in one transfer
+        return int(n), int(token)
+
+    assert accept([5, 6, 7]) == (3, 8)  # all accepted: bonus
+    assert accept([5, 0, 7]) == (1, 6)  # first miss replaced by the target's token
+    assert accept([0, 6, 7]) == (0, 5)  # later matches do not count
+    assert accept([]) == (0, 5)
 
 
 def test_residual_is_normalized_positive_part():
@@ -440,6 +449,67 @@ def test_hybrid_speculative_decoding_equals_plain_decoding(model_type, monkeypat
     differ = sum(speculative_generate(target, OracleDrafter(p + b.tokens, V, B, err_every=3), p, **kw).tokens
                  != b.tokens for p, b in zip(prompts, bases))
     assert differ >= 2
+
+
+# ---------------------------------------------------------------- the graphed path (static caches)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+def test_graphed_decoding_equals_plain_decoding_and_the_eager_path(kind):
+    """Plain and speculative decoding on the static-cache runner and drafter: transformers' greedy output,
+    the same rounds as the eager path (same drafts, same acceptances, the drafter's logits equal), full
+    blocks for an oracle, and at T > 0 the same tokens as the eager path from the same random stream."""
+    model, drafter, B, N = tiny_causal_lm(kind), tiny_drafter([0, 1]), 4, 40
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    want = hf_greedy(model, prompt, N)
+    kw = dict(max_new_tokens=N, stop_ids=frozenset())
+    eager = Target(model, [0, 1])
+    steered_ref = Steered(DFlashDraft(drafter, eager), prompt + want)
+    ref = speculative_generate(eager, steered_ref, prompt, temperature=0.0, **kw)
+    ref_t = speculative_generate(eager, DFlashDraft(drafter, eager), prompt, temperature=0.8,
+                                 generator=torch.Generator().manual_seed(3), **kw)
+    eager.close()
+    assert ref.tokens == want and {s.accepted for s in ref.steps} == {0, 1, 2, 3}
+
+    target = GraphedTarget(model, [0, 1], max_len=len(prompt) + N + B, block_size=B)
+    graphed = GraphedDraft(drafter, target, max_len=len(prompt) + N + B)
+    assert target_generate(target, prompt, temperature=0.0, **kw).tokens == want
+    steered = Steered(graphed, prompt + want)
+    spec = speculative_generate(target, steered, prompt, temperature=0.0, **kw)
+    assert spec.tokens == want and spec.steps == ref.steps
+    torch.testing.assert_close(torch.stack(steered.seen), torch.stack(steered_ref.seen), atol=1e-4, rtol=1e-4)
+    oracle = speculative_generate(target, OracleDrafter(prompt + want, 96, B), prompt, temperature=0.0, **kw)
+    assert oracle.tokens == want and {s.committed for s in oracle.steps[:-1]} == {B}
+    spec_t = speculative_generate(target, graphed, prompt, temperature=0.8, generator=torch.Generator().manual_seed(3),
+                                  **kw)
+    assert spec_t.tokens == ref_t.tokens and spec_t.steps == ref_t.steps
+    target.close()
+
+
+def test_a_prompt_longer_than_the_block_reaches_the_drafter_whole():
+    """The prompt's context is appended eagerly when it exceeds B; the rounds then equal the eager path."""
+    model, drafter = tiny_causal_lm("llama", seed=4), tiny_drafter([0, 2], block_size=3, seed=1)
+    prompt = list(range(10, 40))
+    eager = Target(model, [0, 2])
+    ref = speculative_generate(eager, DFlashDraft(drafter, eager), prompt, max_new_tokens=12, temperature=0.0,
+                               stop_ids=frozenset())
+    eager.close()
+    target = GraphedTarget(model, [0, 2], max_len=48, block_size=3)
+    spec = speculative_generate(target, GraphedDraft(drafter, target, max_len=48), prompt, max_new_tokens=12,
+                                temperature=0.0, stop_ids=frozenset())
+    target.close()
+    assert spec.tokens == ref.tokens and spec.steps == ref.steps
+
+
+def test_hybrid_target_decodes_eagerly_and_says_so_in_one_line():
+    model = tiny_causal_lm("qwen3")
+    model.config.layer_types = ["linear_attention", "full_attention", "full_attention"]
+    out = io.StringIO()
+    target, drafter = make_participants(model, tiny_drafter([0, 1]), [(0, [1, 2, 3])],
+                                        EvalConfig(drafter="unused", max_new_tokens=8), LiveLine(stream=out))
+    assert type(target) is Target and type(drafter) is DFlashDraft
+    assert out.getvalue().count("\n") == 1 and "eager decoding" in out.getvalue()
+    assert "linear_attention" in out.getvalue()
     target.close()
 
 
@@ -452,6 +522,11 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
                      num_prompts=3, max_new_tokens=24)
     report = run_eval(cfg)
     assert report["lossless"] is True and report["mismatches"] == []
+    assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock"
+    assert all(report["step_ms"][k] > 0 for k in ("target_decode", "target_verify", "drafter"))
+    ms = report["step_ms"]
+    assert report["speedup_from_step_times"] == pytest.approx(
+        report["tau"] * ms["target_decode"] / (ms["target_verify"] + ms["drafter"]))
     assert report["prompts"] == 3 and report["block_size"] == 8
     assert 1.0 <= report["tau"] < 1.5
     assert sum(report["accept_hist"]) == report["steps"] and len(report["accept_hist"]) == 9
@@ -462,13 +537,15 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
     stops = stop_token_ids(smollm_tokenizer, smollm_model)
     assert smollm_tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
     ids = chat_ids(smollm_tokenizer, "Name three primary colors.")
-    target = Target(smollm_model)
-    ours = target_generate(target, ids, max_new_tokens=24, temperature=0.0, stop_ids=stops)
     with torch.no_grad():
         hf = smollm_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                    eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
-    assert ours.tokens == hf[0, len(ids):].tolist()
-    target.close()
+    for make in (lambda: Target(smollm_model), lambda: GraphedTarget(smollm_model, [], max_len=len(ids) + 40,
+                                                                     block_size=8)):
+        target = make()  # one at a time: the graphed one owns the model's attention until closed
+        ours = target_generate(target, ids, max_new_tokens=24, temperature=0.0, stop_ids=stops)
+        target.close()
+        assert ours.tokens == hf[0, len(ids):].tolist()
 
 
 def test_oracle_drafter_on_real_target_commits_full_blocks(smollm_model, smollm_tokenizer):

@@ -110,7 +110,7 @@ class Target:
             cache.saved_at = None
             cache.mixer_inputs.clear()
 
-    def forward(self, ids: Sequence[int], start: int, cache: TargetCache, *, features: bool = False,
+    def forward(self, ids: Sequence[int] | torch.Tensor, start: int, cache: TargetCache, *, features: bool = False,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fp32 logits [n, V] (or [1, V] with last_only), features [1, n, F] or None) of n new tokens
         at positions start .. start + n - 1, appending them to `cache` (which must hold `start`)."""
@@ -121,7 +121,10 @@ class Target:
             # sliding-window layer its whole recorded past (a shape error past the window) and 5.24 keeps
             # it in memory. crop(0) cuts every window back to what the next forward needs.
             cache.kv.crop(0)
-        ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        if isinstance(ids, torch.Tensor):  # a block built on the device: no host round trip
+            ids_1n = ids.reshape(1, n).to(self.device)
+        else:
+            ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         kwargs = {self._cache_kw: cache.kv, "use_cache": True,
                   "position_ids": torch.arange(start, start + n, device=self.device)[None]}
         if last_only and self._can_keep_last:
