@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 
 OK, SKIPPED, FAILED, STOPPED, NOT_STARTED, BLOCKED = "ok", "done before", "failed", "stopped at deadline", \
     "not started (deadline)", "blocked (a dependency did not finish)"
+WAITING, RUNNING = "", "running"
+_ENDED_BADLY = (FAILED, STOPPED, NOT_STARTED, BLOCKED)
 
 
 @dataclass
@@ -62,7 +64,7 @@ def _start(job: Job, env: dict[str, str]) -> None:
         job.stdout.parent.mkdir(parents=True, exist_ok=True)
         out = open(job.stdout, "w", encoding="utf-8")
         job.files.append(out)
-    job.t0 = time.time()
+    job.t0, job.status = time.time(), RUNNING
     # A session of its own: at the deadline the whole job (its loader workers too) can be ended.
     err = log if log is not None else (subprocess.DEVNULL if out is not None else None)
     job.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
@@ -102,9 +104,8 @@ def run_jobs(jobs: list[Job], limits: dict[str, int], *, deadline: float | None 
             if j.status != STOPPED:
                 j.status = OK if rc in j.ok_codes else FAILED
             say(f"[{j.name}] {j.status} (rc {rc}) in {j.seconds:.0f}s")
-        pending = [j for j in jobs if not j.status]
-        for j in pending:
-            if any(by_name[a].status not in (OK, SKIPPED, "") for a in j.after):
+        for j in jobs:
+            if j.status == WAITING and any(by_name[a].status in _ENDED_BADLY for a in j.after):
                 j.status = BLOCKED
         if deadline is not None and now >= deadline and running and not stopping:
             stopping = True
@@ -119,7 +120,7 @@ def run_jobs(jobs: list[Job], limits: dict[str, int], *, deadline: float | None 
                     os.killpg(j.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        pending = [j for j in jobs if not j.status]
+        pending = [j for j in jobs if j.status == WAITING]
         if not running and (not pending or stopping):
             break
         if not stopping:
@@ -131,7 +132,7 @@ def run_jobs(jobs: list[Job], limits: dict[str, int], *, deadline: float | None 
             break
         time.sleep(poll)
     for j in jobs:
-        if not j.status:
+        if j.status == WAITING:
             j.status = NOT_STARTED
     return {j.name: {"status": j.status, "rc": j.rc, "seconds": round(j.seconds, 1)} for j in jobs}
 
@@ -143,7 +144,7 @@ def _start_ready(pending: list[Job], running: list[Job], by_name: dict[str, Job]
     for j in pending:
         if any(by_name[a].status not in (OK, SKIPPED) for a in j.after):
             continue
-        if any(not by_name[a].status for a in j.wait_for):
+        if any(by_name[a].status in (WAITING, RUNNING) for a in j.wait_for):
             continue
         if deadline is not None and deadline - time.time() < j.min_time_left:
             continue

@@ -111,7 +111,7 @@ def test_job_runner_order_dependencies_deadline_and_resume(tmp_path):
         return _py(f"import time, sys; open({str(trace)!r}, 'a').write('{name}+\\n'); time.sleep({sleep}); "
                    f"open({str(trace)!r}, 'a').write('{name}-\\n'); sys.exit({rc})")
 
-    jobs = [Job("a", stamp("a", 0.3)), Job("b", stamp("b", 0.3)), Job("c", stamp("c"), after=("a",)),
+    jobs = [Job("a", stamp("a", 0.3)), Job("b", stamp("b", 0.6)), Job("c", stamp("c"), after=("a",)),
             Job("bad", stamp("bad", rc=3)), Job("after-bad", stamp("x"), after=("bad",)),
             Job("solo", stamp("solo"), exclusive=True, wait_for=("a", "b", "c", "bad")),
             Job("skip", stamp("skip"), done=lambda: True)]
@@ -119,6 +119,7 @@ def test_job_runner_order_dependencies_deadline_and_resume(tmp_path):
     assert st["a"]["status"] == OK and st["c"]["status"] == OK and st["bad"]["status"] == FAILED
     assert st["bad"]["rc"] == 3 and st["after-bad"]["status"] == BLOCKED and st["skip"]["status"] == SKIPPED
     lines = trace.read_text().split()
+    assert sorted(x for x in lines if x.endswith("+")) == ["a+", "b+", "bad+", "c+", "solo+"]  # each once
     assert lines.index("c+") > lines.index("a-")                         # dependency
     assert lines[0:2] == ["a+", "b+"]                                    # two at a time
     assert lines[-2:] == ["solo+", "solo-"] and "skip+" not in lines     # alone, last; done jobs skipped
