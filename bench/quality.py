@@ -101,7 +101,7 @@ REAL = Plan(
 # calls: [data, stores] ~6 min; [recipes] ~8-9 min; [variants, curve] ~7 min; [specforge, online, summary] ~6 min.
 
 SMOKE = Plan(n=12, max_prompt_tokens=200, max_new_tokens=16, max_length=256, steps=4, curve=(0.5, 2.0),
-             tokens_per_batch=1024, row_len=512, num_layers=1, max_anchors=16, sliding_window=64, eval_prompts=2,
+             tokens_per_batch=1024, row_len=512, num_layers=2, max_anchors=16, sliding_window=64, eval_prompts=2,
              code_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1, num_workers=0,
              log_every=1, train_jobs=1, eval_jobs=2, gen_batch_tokens=2048, extract_tokens_per_batch=2048,
              segment_tokens=1024, device_args=("--device", "cpu"))
@@ -115,7 +115,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "kl15-cap-noise": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE"},  # + feature noise
     # the seed run's configuration: block 32, gamma 10, sliding-window layers 0-3, KL, CAP, noise
     "b32-seed": {"block_size": 32, "gamma": 10.0, "kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE",
-                 "sliding_window": "WINDOW", "swa_layers": "0,1,2,3"},
+                 "sliding_window": "WINDOW", "swa_layers": "ALL_BUT_LAST"},   # 0-3 of 5 layers
 }
 STORES = {"orig-bf16": ("orig", "bf16"), "regen-bf16": ("regen", "bf16"), "regen-fp8": ("regen", "fp8")}
 
@@ -187,7 +187,8 @@ class Bench:
 
     def recipe_args(self, recipe: str) -> dict[str, Any]:
         """A recipe's `dflash train` options, as keyword values (placeholders filled from the plan)."""
-        fill = {"NOISE": self.plan.feature_noise, "WINDOW": self.plan.sliding_window}
+        fill = {"NOISE": self.plan.feature_noise, "WINDOW": self.plan.sliding_window,
+                "ALL_BUT_LAST": ",".join(str(i) for i in range(self.plan.num_layers - 1))}
         return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in RECIPES[recipe].items()}
 
     def train_args(self, recipe: str, steps: int) -> list[str]:
@@ -212,15 +213,21 @@ class Bench:
                                *self.plan.device_args, *resume)
 
         def finish(rc: int) -> None:
-            if train_finished(out):  # the exported drafter is what the benchmark needs; free the disk
-                shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            meta = {"recipe": run.recipe, "store": run.store, "steps": run.steps, "part": run.part}
-            (out / "quality-run.json").write_text(json.dumps(meta))
+            if out.exists():
+                meta = {"recipe": run.recipe, "store": run.store, "steps": run.steps, "part": run.part}
+                (out / "quality-run.json").write_text(json.dumps(meta))
+            done()
+
+        def done() -> bool:
+            if not train_finished(out):
+                return False
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the exported drafter is what is needed
+            return True
 
         if self.redo and out.exists():
             shutil.rmtree(out)
-        return Job(run.name, cmd, kind="train", log=self.log(run.name), done=lambda: train_finished(out),
-                   finish=finish, min_time_left=90 if not self.smoke else 0)
+        return Job(run.name, cmd, kind="train", log=self.log(run.name), done=done, finish=finish,
+                   min_time_left=90 if not self.smoke else 0)
 
     def eval_jobs(self, run: str, *, after: tuple[str, ...] | None = None, alone: bool = False,
                   sets: tuple[str, ...] | None = None, temps: tuple[float, ...] | None = None) -> list[Job]:

@@ -100,7 +100,10 @@ def run_jobs(jobs: list[Job], limits: dict[str, int], *, deadline: float | None 
             j.rc, j.seconds = rc, time.time() - j.t0
             _close(j)
             if j.finish is not None:
-                j.finish(rc)
+                try:
+                    j.finish(rc)
+                except Exception as e:  # a bookkeeping error must not end the other jobs
+                    say(f"[{j.name}] after the job: {e!r}")
             if j.status != STOPPED:
                 j.status = OK if rc in j.ok_codes else FAILED
             say(f"[{j.name}] {j.status} (rc {rc}) in {j.seconds:.0f}s")
