@@ -69,6 +69,7 @@ class Plan:
     row_len: int = 3072
     num_layers: int = 5
     max_anchors: int = 512
+    eval_fraction: float = 0.02     # held out of each store for the training-time estimate (~200 samples)
     feature_noise: float = 0.2      # U(-s, s) on features whose RMS is 3 (layer 1) to 27 (layer 27)
     sliding_window: int = 512       # of the seed configuration's sliding layers (samples <= max_length)
     eval_prompts: int = 32          # held-out chat prompts (the embedded eval split)
@@ -101,8 +102,8 @@ REAL = Plan(
 # calls: [data, stores] ~6 min; [recipes] ~8-9 min; [variants, curve] ~7 min; [specforge, online, summary] ~6 min.
 
 SMOKE = Plan(n=12, max_prompt_tokens=200, max_new_tokens=16, max_length=256, steps=4, curve=(0.5, 2.0),
-             tokens_per_batch=1024, row_len=512, num_layers=2, max_anchors=16, sliding_window=64, eval_prompts=2,
-             code_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1, num_workers=0,
+             tokens_per_batch=1024, row_len=512, num_layers=2, max_anchors=16, eval_fraction=0.25, sliding_window=64,
+             eval_prompts=2, code_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1, num_workers=0,
              log_every=1, train_jobs=1, eval_jobs=2, gen_batch_tokens=2048, extract_tokens_per_batch=2048,
              segment_tokens=1024, device_args=("--device", "cpu"))
 
@@ -195,7 +196,8 @@ class Bench:
         p = self.plan
         kw = {"steps": steps, "num_layers": p.num_layers, "tokens_per_batch": p.tokens_per_batch,
               "max_length": p.row_len, "max_anchors": p.max_anchors, "log_every": p.log_every,
-              "num_workers": p.num_workers, "save_every": 0, **self.recipe_args(recipe)}
+              "num_workers": p.num_workers, "eval_fraction": p.eval_fraction, "save_every": 0,
+              **self.recipe_args(recipe)}
         return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
     def train_job(self, run: Run) -> Job:
@@ -497,7 +499,7 @@ def part_specforge(b: Bench, deadline: float | None) -> None:
            "--out", str(out), "--steps", str(p.steps), "--block-size", "16", "--max-anchors", str(p.max_anchors),
            "--tokens-per-batch", str(p.tokens_per_batch), "--max-length", str(p.row_len), "--num-layers",
            str(p.num_layers), "--num-workers", str(p.num_workers), "--log-every", str(p.log_every),
-           *p.device_args]
+           "--eval-fraction", str(p.eval_fraction), *p.device_args]
     jobs = [Job("specforge-ce", cmd, kind="train", exclusive=True, log=b.log("specforge-ce"),
                 done=lambda: train_finished(out), min_time_left=0 if b.smoke else 120)]
     speed = Run("speed-ce", "ce", "regen-bf16", p.speed_steps, "specforge")
@@ -514,7 +516,7 @@ def part_online(b: Bench, deadline: float | None) -> None:
     if b.redo:
         shutil.rmtree(out, ignore_errors=True)
     kw = {"num_layers": p.num_layers, "tokens_per_batch": p.tokens_per_batch, "max_length": p.row_len,
-          "max_anchors": p.max_anchors, **b.recipe_args(best)}
+          "max_anchors": p.max_anchors, "eval_fraction": p.eval_fraction, **b.recipe_args(best)}
     cmd = [sys.executable, str(REPO / "bench" / "quality_online.py"), "--store", str(b.store("regen-bf16")),
            *b.target_args(), "--out", str(out), "--steps", str(p.online_steps), "--warmup", str(p.warmup_steps),
            "--num-workers", str(p.num_workers), *[a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))],

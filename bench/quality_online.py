@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-workers", type=int, default=2)
     for name, typ in (("num-layers", int), ("block-size", int), ("gamma", float), ("max-anchors", int),
                       ("tokens-per-batch", int), ("max-length", int), ("kl-weight", float), ("cap-weight", float),
-                      ("feature-noise", float), ("sliding-window", int), ("lr", float), ("seed", int)):
+                      ("feature-noise", float), ("sliding-window", int), ("lr", float), ("seed", int),
+                      ("eval-fraction", float)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--swa-layers", default=None)
     p.add_argument("--no-compile", action="store_true")

@@ -222,7 +222,8 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
     sf = rec.get("specforge", {})
     if sf:
         o, t = sf["ours"].get("tau_chat_T0"), sf["specforge"].get("tau_chat_T0")
-        goals.append(("ours (ce) tau >= SpecForge's (T=0 chat)", f"{_f(o)} vs {_f(t)}", o is not None and t is not None and o >= t * 0.98, "within 2% counts as equal"))
+        same = o is not None and t is not None and o >= t * 0.98
+        goals.append(("ours (ce) tau >= SpecForge's (T=0 chat)", f"{_f(o)} vs {_f(t)}", same, "within 2% counts as equal"))
         goals.append(("our steps faster than SpecForge's", sf.get("speed_ratio"), (sf.get("speed_ratio") or 0) > 1, ""))
     var = rec.get("variants", {})
     if best and best in var:
