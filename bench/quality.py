@@ -93,21 +93,22 @@ class Plan:
 
 
 REAL = Plan(
-    n=10_000,               # first exchanges; ~13% of first prompts exceed 512 tokens and are skipped
-    max_prompt_tokens=512,  # mean prompt then ~120 tokens
-    max_new_tokens=384,     # generate: 10K replies, ~2.8M new tokens; at 30-60K tok/s ~50-100 s (+ load)
-    max_length=1024,        # stores ~4M tokens each (~17 GB bf16, ~11 GB fp8): 3 extractions ~50 s + ~20 s each
-    steps=500,              # 500 x 12,288 = 6.1M tokens (~1.5 epochs of the ~4M-token store): ~80 s + ~50 s
-                            # start-up per run; 6 recipes at 3 at a time ~5 min if they overlap 2x (to check)
+    n=10_000,               # first exchanges (11,485 rows read: 1,094 prompts over the cap, 221 unusable);
+    max_prompt_tokens=512,  # mean prompt 58 tokens, original reply 338 (measured by part `inputs`)
+    max_new_tokens=384,     # generate: 10K replies, ~2.5M new tokens; at 30-60K tok/s ~40-80 s (+ load)
+    max_length=1024,        # stores: original ~4.0M tokens (~17 GB bf16), regenerated ~3.2M (~13 GB bf16,
+                            # ~9 GB fp8): 3 extractions of ~40-50 s + ~20 s start each (83K tok/s)
+    steps=500,              # 500 x 12,288 = 6.1M tokens (~2 epochs of the regenerated store): ~80 s + ~50 s
+                            # start-up per run alone; 6 recipes 3 at a time ~5 min if they overlap 2x (to check)
     curve=(0.25, 0.5, 2.0),  # with the recipe run: 125 / 250 / 500 / 1,000 steps (extra ~2.75 runs)
 )
 # evals: 3 per drafter (chat T=0, T=1, code T=0), 32 / 16 prompts x 256 tokens, 4 at a time.
-# calls: [data, stores] ~6 min; [recipes] ~8-9 min; [variants, curve] ~7 min; [specforge, online, summary] ~6 min.
+# calls: [data, stores] ~5 min; [recipes] ~8-9 min; [variants, curve] ~7 min; [specforge, online, summary] ~6 min.
 
 SMOKE = Plan(n=12, max_prompt_tokens=200, max_new_tokens=16, max_length=256, steps=4, curve=(0.5, 2.0),
              tokens_per_batch=1024, row_len=512, num_layers=2, max_anchors=16, eval_fraction=0.25, sliding_window=64,
-             eval_prompts=2, code_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1, num_workers=0,
-             log_every=1, train_jobs=1, eval_jobs=2, gen_batch_tokens=2048, extract_tokens_per_batch=2048,
+             eval_prompts=2, code_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1,
+             num_workers=0, log_every=1, train_jobs=1, eval_jobs=2, gen_batch_tokens=2048, extract_tokens_per_batch=2048,
              segment_tokens=1024, device_args=("--device", "cpu"))
 
 # The ablation, each on the regenerated bf16 store with the same steps. Cumulative, in the order.
