@@ -43,7 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +134,6 @@ class Run:
     store: str
     steps: int
     part: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Bench:
@@ -142,6 +141,7 @@ class Bench:
 
     def __init__(self, root: str, target: str | None, plan: Plan, smoke: bool, redo: bool = False):
         self.root, self.target, self.plan, self.smoke, self.redo = Path(root).resolve(), target, plan, smoke, redo
+        self.best_override: str | None = None  # --best
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -221,7 +221,7 @@ class Bench:
                 else:
                     shutil.rmtree(out)  # a run killed before its first checkpoint: start it over
             return self.dflash("train", "--store", str(self.store(run.store)), "--out", str(out), "--gpus", "1",
-                               *self.train_args(run.recipe, run.steps), *run.extra.get("args", []),
+                               *self.train_args(run.recipe, run.steps),
                                *self.plan.device_args, *resume)
 
         def finish(rc: int) -> None:
@@ -351,12 +351,19 @@ def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
     if backend == "cli":
         out = b.data("regen")
         cmd = b.dflash("generate", "--data", str(orig), "--out", str(out), *b.target_args(), "--limit", str(p.n),
-                       "--max-new-tokens", str(p.max_new_tokens), "--temperature", "0", "--turns", "first",
+                       "--max-new-tokens", str(p.max_new_tokens), "--max-length", str(p.max_length),
+                       "--temperature", "0", "--turns", "first", "--gpus", "1",
                        *(["--batch-tokens", str(p.gen_batch_tokens)] if p.gen_batch_tokens else []),
-                       *(["--gpus", "1"] if not b.smoke else []))
+                       *p.device_args)
         done = b.data("regen.done")
-        jobs.append(Job("generate", cmd, kind="train", log=b.log("generate"), done=done.exists,
-                        finish=lambda rc: rc == 0 and done.write_text("ok"), min_time_left=0))
+
+        def finish(rc: int) -> None:
+            if rc == 0:  # generate's own run record (throughput, stop reasons, truncated replies) beside ours
+                runs = sorted((out / "runs").glob("generate-*.json"), key=lambda f: f.stat().st_mtime)
+                done.write_text(runs[-1].read_text() if runs else "{}")
+
+        jobs.append(Job("generate", cmd, kind="train", log=b.log("generate"), done=done.exists, finish=finish,
+                        min_time_left=0))
         rec.update(regen_data=str(out), regen_backend="cli")
     else:
         out = b.data("regen.jsonl")
@@ -468,7 +475,7 @@ def _best_alone_cmd(b: Bench) -> list[str]:
 def best_run(b: Bench, fresh: bool = False) -> str | None:
     """The recipe with the highest real tau (chat, T=0) among the recipe runs, else the highest held-out
     estimate; --best overrides. `fresh`: recomputed from the eval files, not the recorded choice."""
-    if getattr(b, "best_override", None):
+    if b.best_override:
         return b.best_override
     if not fresh and b.read("recipes").get("best"):
         return b.read("recipes")["best"]

@@ -86,10 +86,11 @@ def specforge_config(dcfg: DrafterConfig, attn_implementation: str):
         layer_types=list(dcfg.layer_types), use_sliding_window=sliding,
         sliding_window=dcfg.sliding_window if sliding else None, max_window_layers=dcfg.num_layers,
         attention_bias=False, tie_word_embeddings=False,
-        block_size=dcfg.block_size, num_target_layers=dcfg.num_target_layers,
-        dflash_config={"block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
-                       "target_layer_ids": list(dcfg.target_layer_ids)},
     )
+    # The DFlash fields as attributes: config classes of some transformers versions drop unknown kwargs.
+    cfg.block_size, cfg.num_target_layers = dcfg.block_size, dcfg.num_target_layers
+    cfg.dflash_config = {"block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
+                         "target_layer_ids": list(dcfg.target_layer_ids)}
     cfg._attn_implementation = attn_implementation
     return cfg
 
