@@ -212,3 +212,41 @@ def test_specforge_trains_on_our_store_and_exports(tiny, tmp_path):
     dcfg = read_drafter_config(str(out / "final"))  # what `dflash eval` reads and loads
     assert dcfg.block_size == 4 and dcfg.target_layer_ids == StoreReader(tiny["store"]).meta.layer_ids
     load_drafter(str(out / "final"), torch.float32, torch.device("cpu"))
+
+
+def test_summary_tables_and_goals_from_result_files(tmp_path):
+    """The summary reads what the parts wrote and judges the goals from it (nothing measured here)."""
+    import quality
+    from quality_summary import build_summary
+
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+
+    def run(name: str, store: str, est: float, taus: dict[str, float], block: int = 16):
+        d = b.run_dir(name)
+        (d / "final").mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"step": 4, "finished": True, "seconds": 9.0, "eval": {
+            "tau_chain": est, "acc_per_pos": [0.8, 0.6], "acc": 0.7}}))
+        (d / "config.json").write_text(json.dumps({"train": {"block_size": block, "tokens_per_batch": 1024},
+                                                   "store": {"url": str(b.store(store))}, "steps_per_epoch": 2}))
+        for key, tau in taus.items():
+            prompt_set, t = key.split("@")
+            b.eval_file(name, prompt_set, float(t)).write_text(json.dumps({"tau": tau, "lossless": True,
+                                                                            "speedup": 1.2}))
+
+    run("ce", "regen-bf16", 3.6, {"chat@0": 3.0, "chat@1": 2.5})
+    run("kl15", "regen-bf16", 2.2, {"chat@0": 2.0})
+    run("ce@orig", "orig-bf16", 1.5, {"chat@0": 1.5})
+    run("ce@fp8", "regen-fp8", 3.5, {"chat@0": 2.97})
+    b.eval_file("ce", "chat", 0.0, alone=True).write_text(json.dumps({"tau": 3.0, "speedup": 1.8}))
+    b.write("recipes", {"best": quality.best_run(b, fresh=True)})
+    md, rec = build_summary(b)
+    assert rec["best"] == "ce"   # the highest real tau, not the highest estimate
+    goals = {g["goal"]: g for g in rec["goals"]}
+    assert goals["real tau (T=0, block 16, chat) >= 3.0"]["met"]
+    assert goals["real speedup > 1 (best, alone)"]["value"] == 1.8
+    assert goals["regenerated / original tau >= 1.5"]["value"] == pytest.approx(2.0)
+    assert goals["fp8 within 2% of bf16 tau"]["met"] and goals["fp8 within 2% of bf16 tau"]["value"] == pytest.approx(0.01)
+    est = goals["held-out estimate within 10% of real tau (recipes, worst)"]
+    assert est["value"] == pytest.approx(1.2) and not est["met"]
+    assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 |" in md
+    assert "| ce@orig | store orig-bf16 |" in md
