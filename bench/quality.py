@@ -75,9 +75,9 @@ class Plan:
     eval_fraction: float = 0.02     # held out of each store for the training-time estimate (~200 samples)
     feature_noise: float = 0.2      # U(-s, s) on features whose RMS is 3 (layer 1) to 27 (layer 27)
     sliding_window: int = 512       # of the seed configuration's sliding layers (samples <= max_length)
-    eval_prompts: int = 32          # held-out chat prompts (the embedded eval split)
-    code_prompts: int = 16          # HumanEval prompts
-    eval_new_tokens: int = 256
+    eval_prompts: int = 24          # held-out chat prompts (the embedded eval split)
+    code_prompts: int = 12          # HumanEval prompts
+    eval_new_tokens: int = 192
     temperatures: tuple[float, ...] = (0.0, 1.0)
     speed_steps: int = 120          # `dflash train` alone, for the step time against SpecForge
     online_steps: int = 100         # timed steps per mode of the online part
@@ -98,12 +98,16 @@ REAL = Plan(
     max_new_tokens=384,     # generate: 10K replies, ~2.5M new tokens; at 30-60K tok/s ~40-80 s (+ load)
     max_length=1024,        # stores: original ~4.0M tokens (~17 GB bf16), regenerated ~3.2M (~13 GB bf16,
                             # ~9 GB fp8): 3 extractions of ~40-50 s + ~20 s start each (83K tok/s)
-    steps=500,              # 500 x 12,288 = 6.1M tokens (~2 epochs of the regenerated store): ~80 s + ~50 s
-                            # start-up per run alone; 6 recipes 3 at a time ~5 min if they overlap 2x (to check)
-    curve=(0.25, 0.5, 2.0),  # with the recipe run: 125 / 250 / 500 / 1,000 steps (extra ~2.75 runs)
+    steps=400,              # 400 x 12,288 = 4.9M tokens (~1.5 epochs of the regenerated store): ~65 s + ~50 s
+                            # start-up per run alone; 6 recipes 3 at a time ~4-5 min if they overlap 2x (to check)
+    curve=(0.25, 0.5, 2.0),  # with the recipe run: 100 / 200 / 400 / 800 steps (extra ~2.75 runs)
 )
-# evals: 3 per drafter (chat T=0, T=1, code T=0), 32 / 16 prompts x 256 tokens, 4 at a time.
-# calls: [data, stores] ~5 min; [recipes] ~8-9 min; [variants, curve] ~7 min; [specforge, online, summary] ~6 min.
+# evals: 3 per drafter (chat T=0 and T=1, code T=0), 24 / 12 prompts x 192 new tokens, each prompt decoded
+# twice (target alone, speculative); at the eval issue's goal (80 prompts x 256 tokens < 3 min) ~40-50 s
+# per eval with start-up, 4 at a time next to the trainings.
+# calls (each <= 10 min, resumable): [data, stores] ~5 min; [recipes] ~7 min; [variants, curve] ~6 min;
+# [specforge, online, summary] ~6 min; with setup and machine start ~25 min of device time. Smaller:
+# Q_ARGS="--steps 300 --eval-new-tokens 128" (~20 min).
 
 SMOKE = Plan(n=12, max_prompt_tokens=200, max_new_tokens=16, max_length=256, steps=4, curve=(0.5, 2.0),
              tokens_per_batch=1024, row_len=512, num_layers=2, max_anchors=16, eval_fraction=0.25, sliding_window=64,
