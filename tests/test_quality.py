@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # the benchmark modules under test
 
 from dflash_pipeline.extract.pipeline import run_extract  # noqa: E402
 from dflash_pipeline.schemas.config import ExtractConfig  # noqa: E402
