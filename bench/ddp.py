@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -26,14 +25,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import save_json  # noqa: E402
 
+from dflash_pipeline.launch import free_port  # noqa: E402
+
 SHAPE = dict(H=4096, I=12288, heads=32, kv=8, V=151936, B=16, anchors=512, R=4, S=3072, layers=5, head_dim=128)
 SMOKE = dict(H=128, I=256, heads=4, kv=2, V=500, B=16, anchors=8, R=2, S=64, layers=2, head_dim=32)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, variants: list[tuple[str, float | None, bool]], steps: int,
@@ -115,7 +110,7 @@ def run(world: int, variants, steps: int, shape: dict) -> dict:
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(world, _free_port(), variants, steps, shape, q), nprocs=world, join=True,
+    mp.start_processes(worker, args=(world, free_port(), variants, steps, shape, q), nprocs=world, join=True,
                        start_method="spawn")
     out = {}
     while not q.empty():

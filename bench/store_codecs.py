@@ -36,7 +36,7 @@ def real_hidden(tokens: int, layers: list[int]) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     from dflash_pipeline.embedded import embedded_target_dir
-    from dflash_pipeline.extract.data import load_samples
+    from dflash_pipeline.extract.samples import load_samples
     from dflash_pipeline.extract.target import TargetRunner, load_target
 
     path = embedded_target_dir()
@@ -176,7 +176,7 @@ def main() -> None:
             t_w = time.perf_counter() - t
             results.append({"compressor": f"{codec_name}: store write_segment (all threads)",
                             "write_MBps_of_raw_bf16": raw / t_w / 1e6,
-                            "bytes_per_token": sum(a["bytes"] for a in marker["arrays"].values()) / T})
+                            "bytes_per_token": sum(a.bytes for a in marker.arrays.values()) / T})
     report = {"date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
               "source": source, "tokens": T, "layers": L, "hidden": H, "raw_bf16_bytes_per_token": L * H * 2,

@@ -36,6 +36,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from helpers import write_random_store
 
+    from dflash_pipeline.schemas.store import SegmentCommit
     from dflash_pipeline.store.backends import KV, open_zarr_store
     from dflash_pipeline.store.manifest import committed_segments, manifest_from_commits, write_manifest
     from dflash_pipeline.store.reader import StoreReader
@@ -49,11 +50,14 @@ def main() -> None:
         root = os.path.join(url, "commits")
         for s in range(args.segments):
             offsets = list(range(0, 8 * 100 + 1, 100))
-            c = {"sample_offsets": offsets, "sample_supervised": [60] * 8, "sample_ids": list(range(s * 8, s * 8 + 8))}
+            c = SegmentCommit(format_version=1, segment=s, writer="bench", created="", num_samples=8,
+                              num_tokens=800, num_supervised=480, sample_ids=list(range(s * 8, s * 8 + 8)),
+                              sample_offsets=offsets, sample_supervised=[60] * 8, arrays={}, codec="bf16",
+                              hidden_stats={}, codec_error={}, topk_mass_sum=0.0)
             commits[s] = c
             if s >= 2:
-                with open(os.path.join(root, f"{s:08d}.json"), "w") as f:
-                    json.dump(c, f)
+                with open(os.path.join(root, f"{s:08d}.json"), "wb") as f:
+                    f.write(c.to_json())
         write_manifest(kv, manifest_from_commits(commits))
         build = time.perf_counter() - t
         del commits

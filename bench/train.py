@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import save_json  # noqa: E402
 
-from dflash_pipeline.train.data import Batch  # noqa: E402
-from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights  # noqa: E402
+from dflash_pipeline.train.batch import Batch  # noqa: E402
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, DrafterOptions, init_drafter_weights  # noqa: E402
 from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks, step_flops  # noqa: E402
 
 PEAK = 790e12
@@ -110,9 +110,9 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
                         target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1e6)
-    model = DFlashDrafter(cfg)
-    model.checkpoint_layers = checkpoint_layers
-    model.compile_kernels = None if compiled else False  # False also keeps the loss eager (run_blocks)
+    # compile_kernels=False also keeps the loss eager (run_blocks)
+    model = DFlashDrafter(cfg, DrafterOptions(checkpoint_layers=checkpoint_layers,
+                                              compile_kernels=None if compiled else False))
     init_drafter_weights(model)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")

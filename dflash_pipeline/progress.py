@@ -39,6 +39,14 @@ class LiveLine:
         self._last_log = 0.0
         self._width = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to a spawned process (launch.launch), a line keeps its settings and writes to that
+        # process's own stderr: a stream does not travel between processes.
+        return {"log_every": self.log_every, "enabled": self.enabled}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
     def say(self, msg: str) -> None:
         """A one-off status line ("loading target ...")."""
         if not self.enabled:

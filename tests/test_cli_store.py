@@ -172,3 +172,19 @@ def test_nonfinite_values_are_counted(tmp_path):
     assert stats["nonfinite_values"] == 2
     assert [l["nonfinite"] for l in stats["layers"]] == [0, 2, 0]
     assert all(v == v for l in stats["layers"] for v in (l["mean"], l["std"]))  # stats stay finite
+
+
+def test_verify_report_is_rendered_by_the_library(store):
+    """`store verify` prints what `render_verify` renders and exits 1 exactly when the report `failed`."""
+    from dflash_pipeline.store.verify import render_verify, verify_store
+
+    (store / "segments/00000009/tokens").mkdir(parents=True)
+    (store / "segments/00000001/hidden/c/0/2/0").unlink()
+    rep = verify_store(str(store))
+    text = render_verify(rep)
+    assert rep.failed and text.splitlines()[-1] == "FAILED"
+    assert "CORRUPT segment 00000001 array 'hidden'" in text and "incomplete (uncommitted" in text
+    code, out, _ = _run("store", "verify", str(store))
+    assert code == 1 and out == text + "\n"
+    rep = verify_store(str(store), repair=True, drop_corrupt=True)
+    assert not rep.failed and "removed corrupt segment 00000001" in render_verify(rep)

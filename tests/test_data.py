@@ -1,4 +1,4 @@
-"""extract/data.py: input formats and record forms, bad rows, the loss mask against real templates,
+"""extract/readers.py, chat.py, samples.py: input formats and record forms, bad rows, the loss mask against real templates,
 truncation, stable sample ids, the embedded ShareGPT splits, and workers."""
 
 from __future__ import annotations
@@ -15,14 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.errors import InputDataError
-from dflash_pipeline.extract import data
-from dflash_pipeline.extract.data import (
-    DataReport,
-    check_inputs,
-    iter_embedded_rows,
-    iter_prompts,
-    load_samples,
-)
+from dflash_pipeline.extract import readers as data
+from dflash_pipeline.extract.chat import iter_prompts
+from dflash_pipeline.extract.readers import DataReport, check_inputs, iter_embedded_rows
+from dflash_pipeline.extract.samples import load_samples
 
 # Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), verbatim: earlier assistant turns are
 # rendered bare, turns after the last user query get a `<think>` block, empty when there is no reasoning.

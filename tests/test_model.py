@@ -13,13 +13,10 @@ import warnings
 import pytest
 import torch
 
-from dflash_pipeline.train.blocks import (
-    IGNORE_LABEL, anchor_candidates, build_blocks, default_gamma, pad_anchors, sample_anchors,
-)
+from dflash_pipeline.method import block_input_ids, choose_mask_token_id, default_gamma, default_layer_ids
+from dflash_pipeline.train.blocks import IGNORE_LABEL, anchor_candidates, build_blocks, pad_anchors, sample_anchors
 from dflash_pipeline.train.export import export_drafter
-from dflash_pipeline.train.model import (
-    DFlashDrafter, DrafterConfig, block_input_ids, choose_mask_token_id, default_layer_ids, init_drafter_weights,
-)
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
 
 H, F_N, V, B = 32, 3, 64, 8
 
@@ -280,7 +277,7 @@ def test_compiled_kernels_under_autocast_on_cuda_are_as_accurate_as_eager():
 def _step_batch(seed: int = 0, K: int = 4):
     """A packed two-row Batch on the host (the rows of `packed_batch`), with tokens, a loss mask with
     holes and random teacher top-k."""
-    from dflash_pipeline.train.data import Batch
+    from dflash_pipeline.train.batch import Batch
 
     b, _ = packed_batch(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -517,3 +514,23 @@ def test_blocks_feed_the_model_end_to_end():
         out = model(batch["features_RSF"], batch["ctx_pos_RS"], batch["ctx_doc_RS"], emb_table[blocks.token_ids_RQ],
                     blocks.pos_RQ, blocks.doc_RQ, blocks.block_id_RQ)
     assert torch.isfinite(out).all() and out.shape == (2, anchors.shape[1] * B, H)
+
+
+def test_drafter_options_are_constructor_arguments_and_never_saved():
+    """Switches of how the drafter computes: given at construction, validated, absent from the state
+    dict (the export and checkpoints do not change with them), and they change no number."""
+    from dflash_pipeline.train.model import DrafterOptions
+
+    cfg = tiny_config("sliding")
+    plain = random_drafter(cfg)
+    switched = DFlashDrafter(cfg, DrafterOptions(checkpoint_layers=1, compile_kernels=False, attn_backend="flex"))
+    switched.load_state_dict(plain.state_dict())
+    assert switched.state_dict().keys() == plain.state_dict().keys()
+    assert (switched.checkpoint_layers, switched.compile_kernels, switched.attn_backend) == (1, False, "flex")
+    batch, _ = packed_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(switched.eval()(**batch), plain(**batch), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention backend"):
+        DrafterOptions(attn_backend="fast")
+    with pytest.raises(ValueError, match="checkpoint_layers"):
+        plain.checkpoint_layers = -1

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.errors import ConfigMismatchError, StoreError
-from dflash_pipeline.schemas.store import commit_key
+from dflash_pipeline.errors import ConfigMismatchError, CorruptSegmentError, StoreError
+from dflash_pipeline.schemas.store import SegmentCommit, commit_key
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.codecs import FP8_MAX, get_codec
-from dflash_pipeline.store.manifest import committed_segments, rebuild_manifest
+from dflash_pipeline.store.manifest import committed_segments, read_commits, rebuild_manifest
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.store.writer import SegmentBuilder, StoreWriter
 from helpers import make_meta, random_sample, write_random_store
@@ -94,13 +94,29 @@ def test_fp8_codec_error_bound_and_measurement():
     assert abs(measured - recomputed) / recomputed < 0.02  # bf16 rounding of the decode only
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_codec_pickles_to_the_same_codec(name):
+    """Extraction builds its codec once and pickles it to the writer processes: the copy must encode,
+    compress and describe itself exactly as the original."""
+    import pickle
+
+    codec = get_codec(name)
+    copy = pickle.loads(pickle.dumps(codec))
+    assert type(copy) is type(codec) and copy.name == codec.name and copy.params() == codec.params()
+    assert copy.storage_dtype == codec.storage_dtype and copy.has_scale == codec.has_scale
+    assert [c.to_dict() for c in copy.compressors()] == [c.to_dict() for c in codec.compressors()]
+    x = torch.randn(7, 2, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    a, b = codec.encode(x), copy.encode(x)
+    assert torch.equal(a.data_TLH, b.data_TLH) and torch.equal(a.err_sq_L, b.err_sq_L)
+
+
 def test_fp8_error_is_written_to_commit_marker(tmp_path):
     url = str(tmp_path / "s")
     write_random_store(url, codec="fp8", segments=1)
     c = StoreReader(url).commit(0)
-    rel = np.sqrt(np.sum(c["codec_error"]["err_sq"]) / np.sum(c["codec_error"]["ref_sq"]))
+    rel = np.sqrt(np.sum(c.codec_error["err_sq"]) / np.sum(c.codec_error["ref_sq"]))
     assert 0.005 < rel < 0.04
-    assert len(c["codec_error"]["max_abs"]) == 3
+    assert len(c.codec_error["max_abs"]) == 3
 
 
 def test_uncommitted_segment_is_invisible(store_url):
@@ -197,7 +213,7 @@ def test_read_sample_does_not_read_whole_segment(tmp_path):
     # H = 1024 bf16 -> inner chunks of 512 tokens; one segment of ~8K tokens over 3 layers.
     write_random_store(url, segments=1, samples_per_segment=40, hidden=1024, min_len=150, max_len=250)
     r = StoreReader(url)
-    seg_bytes = sum(a["bytes"] for a in r.commit(0)["arrays"].values())
+    seg_bytes = sum(a.bytes for a in r.commit(0).arrays.values())
     counting = _counting(r.zstore)
     r.zstore = counting
     r.kv.zstore = counting
@@ -303,6 +319,77 @@ def test_marker_layer_checksums_cover_raw_layers(tmp_path):
     marker = b.commit()
     raw = hidden.view(torch.int16).numpy()
     want = [google_crc32c.value(np.ascontiguousarray(raw[:, l]).tobytes()) for l in range(3)]
-    assert marker["arrays"]["hidden"]["crc32c"] == want
+    assert marker.arrays["hidden"].crc32c == want
     s = StoreReader(url).read_sample(0)
     assert torch.equal(s.hidden_TLH.view(torch.int16), hidden.view(torch.int16))
+
+
+# A commit marker as the writer wrote it before the marker had a type (a dict literal in
+# store/writer.py): an fp8 segment of two samples, two layers, top-2. Stores written then must read.
+LEGACY_MARKER = (
+    b'{"format_version":1,"segment":0,"writer":"host:1180:ff772113","created":"2026-12-01T08:25:08+00:00",'
+    b'"num_samples":2,"num_tokens":8,"num_supervised":6,"sample_ids":[0,1],"sample_offsets":[0,4,8],'
+    b'"sample_supervised":[3,3],"arrays":{"tokens":{"shape":[8],"dtype":"int32","crc32c":[2181141036],'
+    b'"bytes":744},"loss_mask":{"shape":[8],"dtype":"bool","crc32c":[526989068],"bytes":664},'
+    b'"sample_offsets":{"shape":[3],"dtype":"int64","crc32c":[12862687],"bytes":736},"sample_ids":'
+    b'{"shape":[2],"dtype":"int64","crc32c":[189589453],"bytes":728},"hidden_scale":{"shape":[8,2],'
+    b'"dtype":"float32","crc32c":[2095198626],"bytes":1397},"topk_ids":{"shape":[8,2],"dtype":"int32",'
+    b'"crc32c":[68019711],"bytes":1393},"topk_logprobs":{"shape":[8,2],"dtype":"float16","crc32c":'
+    b'[2570416326],"bytes":1365},"hidden":{"shape":[8,2,8],"dtype":"uint8","crc32c":[2560324566,3134606180],'
+    b'"bytes":1451}},"codec":"fp8","hidden_stats":{"count":[64.0,64.0],"sum":[-7.8837890625,121.441162109375],'
+    b'"sumsq":[19.21353530883789,3736.510009765625],"absmax":[1.5546875,17.0],"nonfinite":[0.0,0.0]},'
+    b'"codec_error":{"err_sq":[0.008377796970307827,1.1765968799591064],"ref_sq":[19.21353530883789,'
+    b'3736.510009765625],"max_abs":[0.036272287368774414,0.3303565979003906]},"topk_mass_sum":1.0192847788995167}'
+)
+
+
+def test_legacy_commit_marker_parses_and_writes_back_byte_for_byte():
+    c = SegmentCommit.from_json(LEGACY_MARKER)
+    assert (c.segment, c.num_samples, c.num_tokens, c.num_supervised, c.codec) == (0, 2, 8, 6, "fp8")
+    assert c.sample_offsets == [0, 4, 8] and c.sample_supervised == [3, 3] and c.sample_ids == [0, 1]
+    assert list(c.arrays) == ["tokens", "loss_mask", "sample_offsets", "sample_ids", "hidden_scale", "topk_ids",
+                              "topk_logprobs", "hidden"]
+    assert c.arrays["hidden"].shape == [8, 2, 8] and c.arrays["hidden"].crc32c == [2560324566, 3134606180]
+    assert c.arrays["hidden"].bytes == 1451 and c.arrays["tokens"].dtype == "int32"
+    assert c.codec_error["max_abs"] == [0.036272287368774414, 0.3303565979003906]
+    assert c.topk_mass_sum == 1.0192847788995167
+    assert c.to_json() == LEGACY_MARKER
+
+
+def test_written_marker_is_the_typed_record_with_the_legacy_layout(tmp_path):
+    """What the writer stores is exactly the marker it returns, with the keys (and their order) of the
+    markers written before the type existed."""
+    url = str(tmp_path / "s")
+    write_random_store(url, codec="fp8", segments=1, samples_per_segment=2, hidden=8, layer_ids=(1, 3), topk=2)
+    r = StoreReader(url)
+    raw = r.kv.get(commit_key(0))
+    assert raw == r.commit(0).to_json()
+    legacy, now = json.loads(LEGACY_MARKER), json.loads(raw)
+    assert list(now) == list(legacy)
+    assert list(now["arrays"]) == list(legacy["arrays"])
+    assert all(list(now["arrays"][k]) == list(legacy["arrays"][k]) for k in legacy["arrays"])
+    assert list(now["hidden_stats"]) == list(legacy["hidden_stats"])
+    assert list(now["codec_error"]) == list(legacy["codec_error"])
+
+
+def test_commit_marker_with_missing_or_unknown_keys_is_refused(tmp_path):
+    d = json.loads(LEGACY_MARKER)
+    missing = {k: v for k, v in d.items() if k != "topk_mass_sum"}
+    with pytest.raises(ValueError, match=r"commit marker: missing keys \['topk_mass_sum'\]"):
+        SegmentCommit.from_dict(missing)
+    with pytest.raises(ValueError, match=r"commit marker: unknown keys \['surprise'\]"):
+        SegmentCommit.from_dict({**d, "surprise": 1})
+    arrays = {**d["arrays"], "tokens": {k: v for k, v in d["arrays"]["tokens"].items() if k != "bytes"}}
+    with pytest.raises(ValueError, match=r"array 'tokens': missing keys \['bytes'\]"):
+        SegmentCommit.from_dict({**d, "arrays": arrays})
+    with pytest.raises(ValueError, match="unreadable JSON"):
+        SegmentCommit.from_json(b"{not json")
+
+    # In a store: the reader names the segment, the manifest rebuild skips the marker.
+    url = str(tmp_path / "s")
+    write_random_store(url, segments=2)
+    kv = KV(open_zarr_store(url, read_only=False))
+    kv.put(commit_key(1), json.dumps({**json.loads(kv.get(commit_key(1))), "surprise": 1}).encode())
+    with pytest.raises(CorruptSegmentError, match=r"segment 00000001, array 'commit marker': .*unknown keys"):
+        StoreReader(url).read_segment(1)
+    assert read_commits(kv, [0, 1])[1] is None

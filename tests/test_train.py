@@ -19,7 +19,8 @@ from dflash_pipeline.errors import ConfigMismatchError, DFlashError
 from dflash_pipeline.extract.pipeline import run_extract
 from dflash_pipeline.schemas.config import ExtractConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
-from dflash_pipeline.train.data import Manifest, StreamingLoader, eval_holdout, plan_epoch
+from dflash_pipeline.train.loader import StreamingLoader
+from dflash_pipeline.train.plan import Manifest, eval_holdout, plan_epoch
 from dflash_pipeline.train.trainer import run_train
 from helpers import make_tiny_target, write_conversations
 
@@ -89,7 +90,7 @@ def test_stream_across_epochs_prefetches_over_the_boundary(tiny_store, monkeypat
     wait on the GPU at every boundary). Its batches are those of the epochs one by one."""
     import time
 
-    import dflash_pipeline.train.data as data
+    import dflash_pipeline.train.loader as data
 
     per_epoch = _batches(_loader(tiny_store), 0, 1) + _batches(_loader(tiny_store), 1)
     orig = data.build_window_rows

@@ -25,7 +25,8 @@ import torch
 from torch.nn import functional as F
 
 from dflash_pipeline.extract.target import embedding_scale, decoder_layers, text_config
-from dflash_pipeline.train.model import DFlashDrafter, block_input_ids
+from dflash_pipeline.method import block_input_ids
+from dflash_pipeline.train.model import DFlashDrafter
 
 
 class Target:

@@ -176,7 +176,7 @@ def _progress_line(results: list[PromptResult], total: int, greedy: bool) -> str
 
 
 def load_prompts(paths: list[str] | None, tokenizer, limit: int) -> list[tuple[int, list[int]]]:
-    from dflash_pipeline.extract.data import iter_prompts
+    from dflash_pipeline.extract.chat import iter_prompts
 
     prompts = [(sid, ids.tolist()) for sid, ids in iter_prompts(paths, tokenizer, limit, split="eval")]
     if not prompts:

@@ -180,7 +180,7 @@ class Engine:
         self.marks: list[tuple[float, int]] = []
         self.t_gpu_done: float | None = None
         n_proc = self._writer_processes()
-        self.procs = ProcessWriter(writer.url, meta.to_dict(), n_proc, max(1, pool_threads() // n_proc)) \
+        self.procs = ProcessWriter(writer.url, meta.to_dict(), self.codec, n_proc, max(1, pool_threads() // n_proc)) \
             if n_proc > 0 else None
         # Segments' shared memory is reused: each segment in flight holds 4 blocks at most.
         self.shm_pool = SharedBlockPool(keep=4 * (cfg.inflight_segments + 1)) if self.procs is not None else None
@@ -330,7 +330,7 @@ class Engine:
                 self.c["segments"] += 1
                 self.c["tokens"] += asm.tokens
                 self.c["samples"] += len(asm.plan.sample_ids)
-                self.c["bytes"] += sum(a["bytes"] for a in marker["arrays"].values())
+                self.c["bytes"] += sum(a.bytes for a in marker.arrays.values())
         except BaseException as e:
             self.error = e
         finally:

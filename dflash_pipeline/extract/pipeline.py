@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import ConfigMismatchError, DFlashError
 from dflash_pipeline.extract.engine import Engine, Reporter, make_batches  # noqa: F401 (make_batches: API)
@@ -29,14 +27,17 @@ from dflash_pipeline.extract.plan import (
     PlanReader, fingerprint_inputs, read_plan, write_plan,
 )
 from dflash_pipeline.extract.target import (
-    DTYPES, TargetRunner, config_hash, env_rank, load_target, resolve_target, text_config, tokenizer_files,
-    tokenizer_identity, visible_gpus,
+    DTYPES, TargetRunner, config_hash, load_target, resolve_target, text_config, tokenizer_files, tokenizer_identity,
 )
+from dflash_pipeline.launch import (
+    Proc, bind_device, launch, launched, local_world_size, plan_processes, process_gpus, process_group,
+)
+from dflash_pipeline.method import default_layer_ids
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
 from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
 from dflash_pipeline.store.backends import KV, open_zarr_store
-from dflash_pipeline.store.codecs import get_codec
+from dflash_pipeline.store.codecs import HiddenCodec, get_codec
 from dflash_pipeline.store.manifest import committed_segments, read_commits, rebuild_manifest
 from dflash_pipeline.store.shards import available_cpus, set_pool_threads
 from dflash_pipeline.store.writer import StoreWriter, now_iso
@@ -54,6 +55,7 @@ class Prepared:
     run_id: str
     target_path: str
     meta: dict[str, Any]
+    codec: HiddenCodec            # built once, from the config; every writer (thread or process) uses it
     pending: list[int]
     pending_tokens: dict[int, int]
     needs_target: bool
@@ -62,26 +64,21 @@ class Prepared:
     data_report: dict[str, Any] = field(default_factory=dict)
 
 
-def default_layers(num_layers: int, n: int) -> list[int]:
-    from dflash_pipeline.train.model import default_layer_ids
-
-    return default_layer_ids(num_layers, n)
-
-
 def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_pipeline.embedded import embedded_sharegpt_path
-    from dflash_pipeline.extract import data as data_mod
+    from dflash_pipeline.extract.readers import check_inputs
+    from dflash_pipeline.extract.samples import load_samples
 
     if cfg.data:
-        data_mod.check_inputs(cfg.data)
+        check_inputs(cfg.data)
     line.say("resolving target ...")
     target_path = resolve_target(cfg.target)
     tconfig = AutoConfig.from_pretrained(target_path)
     tcfg = text_config(tconfig)
     num_layers = tcfg.num_hidden_layers
-    layer_ids = list(cfg.layers) if cfg.layers else default_layers(num_layers, cfg.num_features)
+    layer_ids = list(cfg.layers) if cfg.layers else default_layer_ids(num_layers, cfg.num_features)
     if any(k < 0 or k >= num_layers for k in layer_ids):
         raise DFlashError(f"--layers {layer_ids}: the target has {num_layers} decoder layers (ids 0..{num_layers - 1})")
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -108,12 +105,12 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
                    for k, v in fp_options.items() if existing.options.get(k) != v]
         raise ConfigMismatchError(f"{cfg.out}: the store was extracted from other input: "
                                   + ("; ".join(changed) if changed else "the input files' contents differ"))
-    writer = StoreWriter(cfg.out, meta)   # creates the store, or refuses a different target/layers/codec
+    writer = StoreWriter(cfg.out, meta, codec=codec)   # creates the store, or refuses a different target/layers/codec
     plan = read_plan(writer.kv)
     if plan is None:
         line.say(f"tokenizing {'embedded ShareGPT conversations' if not cfg.data else ', '.join(cfg.data)} ...")
         workers = cfg.tokenize_workers or min(16, os.cpu_count() or 1)
-        samples, report = data_mod.load_samples(cfg.data or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
+        samples, report = load_samples(cfg.data or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
         if not samples:
             raise DFlashError("no usable samples in the input (every row was skipped): "
                               + "; ".join(report.summary_lines()[:3]))
@@ -124,7 +121,7 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     pending = [s["segment"] for s in plan.segments if s["segment"] not in committed]
     return Prepared(
         run_id=_dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6],
-        target_path=str(target_path), meta=writer.meta.to_dict(), pending=pending,
+        target_path=str(target_path), meta=writer.meta.to_dict(), codec=codec, pending=pending,
         pending_tokens={s["segment"]: s["tokens"] for s in plan.segments if s["segment"] in set(pending)},
         needs_target=not writer.kv.exists("target/zarr.json"),
         plan_tokens=plan.num_tokens, plan_samples=plan.num_samples, data_report=plan.data_report,
@@ -153,65 +150,49 @@ def _report_counts(report) -> dict[str, Any]:
     return d
 
 
-def num_processes(cfg: ExtractConfig) -> tuple[str, int]:
-    """(device kind, worker processes) for a launch without torchrun."""
-    gpus = visible_gpus()
-    if cfg.device == "cpu" or (cfg.device == "auto" and gpus == 0):
-        return "cpu", cfg.num_procs or 1
-    if gpus == 0:
-        raise DFlashError("--device cuda asked for, but no GPU is visible")
-    use = gpus if cfg.gpus == "all" else int(cfg.gpus)
-    if use > gpus:
-        raise DFlashError(f"--gpus {use}: only {gpus} GPUs are visible")
-    if use % cfg.gpus_per_replica:
-        raise DFlashError(f"--gpus-per-replica {cfg.gpus_per_replica} does not divide the {use} GPUs used")
-    return "cuda", use // cfg.gpus_per_replica
-
-
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     """Entry point of `dflash extract`. Returns the run record."""
     from dflash_pipeline.extract.profiling import ProfileWindow
 
     ProfileWindow.from_env()  # a malformed DFLASH_PROFILE fails here, before any work
     line = LiveLine(enabled=not cfg.quiet)
-    launched = env_rank()
-    if launched is None:
-        kind, nprocs = num_processes(cfg)
-        cfg = _resolve_dtype(cfg, kind)
-        prep = prepare(cfg, line)
-        t0 = time.time()
-        if not prep.pending and not prep.needs_target:
-            line.say(f"{cfg.out}: every segment is already committed; nothing to do")
-            results = []
-        elif nprocs == 1:
-            results = [worker_main(cfg, prep, 0, 1, 0, kind, line)]
-        else:
-            results = _spawn_workers(cfg, prep, nprocs, kind)
-        return finish(cfg, prep, results, time.time() - t0, line)
-    # Under torchrun / accelerate launch: rank 0 coordinates, every rank works.
+    proc = launched(cfg.device)
+    if proc is not None:
+        return _run_launched(cfg, proc, line)
+    kind, nprocs = plan_processes(cfg.device, cfg.gpus, cfg.num_procs, cfg.gpus_per_replica)
+    cfg = _resolve_dtype(cfg, kind)
+    prep = prepare(cfg, line)
+    t0 = time.time()
+    if not prep.pending and not prep.needs_target:
+        line.say(f"{cfg.out}: every segment is already committed; nothing to do")
+        results = []
+    else:
+        results = launch(worker_main, (cfg, prep, line), nprocs=nprocs, kind=kind)
+    return finish(cfg, prep, results, time.time() - t0, line)
+
+
+def _run_launched(cfg: ExtractConfig, proc: Proc, line: LiveLine) -> dict[str, Any]:
+    """Under torchrun / accelerate launch: rank 0 coordinates, every rank works."""
     import torch.distributed as dist
 
-    rank, world, local_rank = launched
-    kind = "cpu" if (cfg.device == "cpu" or visible_gpus() == 0) else "cuda"
-    cfg = _resolve_dtype(cfg, kind)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = prepare(cfg, line)
-        except DFlashError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    prep = box[0]
-    t0 = time.time()
-    res = worker_main(cfg, prep, rank, world, local_rank, kind, line if rank == 0 else LiveLine(enabled=False))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, res)
-    record = finish(cfg, prep, gathered, time.time() - t0, line) if rank == 0 else {}
-    dist.barrier()
+    cfg = _resolve_dtype(cfg, proc.kind)
+    with process_group("gloo"):  # for the coordinator's objects only: the workers never communicate
+        box: list[Any] = [None]
+        if proc.is_main:
+            try:
+                box[0] = prepare(cfg, line)
+            except DFlashError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        prep = box[0]
+        t0 = time.time()
+        res = worker_main(proc, cfg, prep, line)
+        gathered: list[Any] = [None] * proc.world
+        dist.all_gather_object(gathered, res)
+        record = finish(cfg, prep, gathered, time.time() - t0, line) if proc.is_main else {}
+        dist.barrier()
     return record
 
 
@@ -221,25 +202,6 @@ def _resolve_dtype(cfg: ExtractConfig, kind: str) -> ExtractConfig:
     if cfg.dtype != "auto":
         return cfg
     return dataclasses.replace(cfg, dtype="bf16" if kind == "cuda" else "fp32")
-
-
-def _spawn_entry(rank: int, cfg: ExtractConfig, prep: Prepared, nprocs: int, kind: str, results) -> None:
-    line = LiveLine(enabled=(rank == 0 and not cfg.quiet))
-    results.put((rank, worker_main(cfg, prep, rank, nprocs, rank, kind, line)))
-
-
-def _spawn_workers(cfg: ExtractConfig, prep: Prepared, nprocs: int, kind: str) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_spawn_entry, args=(cfg, prep, nprocs, kind, results), nprocs=nprocs, join=True,
-                       start_method="spawn")
-    out = [None] * nprocs
-    while not results.empty():
-        r, res = results.get()
-        out[r] = res
-    return out
 
 
 def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], seconds: float,
@@ -263,7 +225,7 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
                                      "compression_ratio", "codec", "codec_rel_rmse", "nonfinite_values",
                                      "topk_mass_mean", "layer_ids")},
     }
-    StoreWriter(cfg.out, StoreMeta.from_dict(prep.meta), create=False).write_run_record(
+    StoreWriter(cfg.out, StoreMeta.from_dict(prep.meta), codec=prep.codec, create=False).write_run_record(
         f"extract-{prep.run_id}.json", record)
     st = record["store"]
     lines = [
@@ -285,8 +247,10 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
 # Worker
 # ------------------------------------------------------------------------------------------------
 
-def worker_main(cfg: ExtractConfig, prep: Prepared, rank: int, world: int, local_rank: int, kind: str,
-                line: LiveLine) -> dict[str, Any]:
+def worker_main(proc: Proc, cfg: ExtractConfig, prep: Prepared, line: LiveLine) -> dict[str, Any]:
+    """One extraction process: its share of the pending segments (by segment id), through the target."""
+    rank, world, kind = proc.rank, proc.world, proc.kind
+    line = line if proc.is_main else LiveLine(enabled=False)
     mine = prep.pending[rank::world]
     write_target = rank == 0 and prep.needs_target
     if not mine and not write_target:
@@ -294,21 +258,15 @@ def worker_main(cfg: ExtractConfig, prep: Prepared, rank: int, world: int, local
     meta = StoreMeta.from_dict(prep.meta)
     # This process's share of the node's cores for compression, one core left for the thread that
     # drives the GPU.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world if env_rank() is None else 1))
+    local = local_world_size(world)
     set_pool_threads(max(2, available_cpus() // max(1, local) - (1 if kind == "cuda" else 0)))
-    if kind == "cuda":
-        first = local_rank * cfg.gpus_per_replica
-        devices = list(range(first, first + cfg.gpus_per_replica))
-        torch.cuda.set_device(devices[0])
-        device = torch.device("cuda", devices[0])
-    else:
-        devices, device = None, torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    devices = process_gpus(proc, cfg.gpus_per_replica) if kind == "cuda" else None
+    device = bind_device(proc, cfg.gpus_per_replica)
     line.say(f"loading target {prep.target_path} ({cfg.dtype}) on {len(devices or [0])} {kind} device(s) "
              f"x {world} process(es) ...")
     model = load_target(prep.target_path, DTYPES[cfg.dtype], device, devices)
     runner = TargetRunner(model, meta.layer_ids, meta.topk, cfg.logit_chunk_tokens)
-    writer = StoreWriter(cfg.out, meta, create=False)
+    writer = StoreWriter(cfg.out, meta, codec=prep.codec, create=False)
     if write_target:
         writer.write_target(runner.frozen_tensors(), runner.target_attrs(), tokenizer_files(prep.target_path))
     engine = Engine(runner, writer, cfg, device, rank)

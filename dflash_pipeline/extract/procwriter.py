@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_pipeline.schemas.store import SegmentCommit
+from dflash_pipeline.store.codecs import HiddenCodec
 from dflash_pipeline.store.writer import SegmentArrays
 
 BULK = ("hidden_TLH", "hidden_scale_TL", "topk_ids_TK", "topk_logprobs_TK")
@@ -121,7 +123,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _init(url: str, meta: dict[str, Any], threads: int, parent: int) -> None:
+def _init(url: str, meta: dict[str, Any], codec: HiddenCodec, threads: int, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)
@@ -131,14 +133,14 @@ def _init(url: str, meta: dict[str, Any], threads: int, parent: int) -> None:
 
     set_pool_threads(threads)
     global _WRITER
-    _WRITER = StoreWriter(url, StoreMeta.from_dict(meta), create=False)
+    _WRITER = StoreWriter(url, StoreMeta.from_dict(meta), codec=codec, create=False)
 
 
 def _ready() -> int:
     return os.getpid()
 
 
-def _write(segment: int, small: dict[str, Any], specs: dict[str, tuple[str, tuple[int, ...], str]]) -> dict[str, Any]:
+def _write(segment: int, small: dict[str, Any], specs: dict[str, tuple[str, tuple[int, ...], str]]) -> SegmentCommit:
     blocks, arrays = [], {}
     try:
         for name, (shm_name, shape, dtype) in specs.items():
@@ -157,16 +159,17 @@ def _write(segment: int, small: dict[str, Any], specs: dict[str, tuple[str, tupl
 
 
 class ProcessWriter:
-    """`write(segment, small, shared)` -> the commit marker, done in one of `processes` processes."""
+    """`write(segment, small, shared)` -> the commit marker, done in one of `processes` processes. Each
+    process opens the store once, with the extraction's codec object (pickled to it), not its name."""
 
-    def __init__(self, url: str, meta: dict[str, Any], processes: int, threads_per_process: int):
-        self.pool = ProcessPoolExecutor(max_workers=processes, mp_context=get_context("spawn"),
-                                        initializer=_init, initargs=(url, meta, threads_per_process, os.getpid()))
+    def __init__(self, url: str, meta: dict[str, Any], codec: HiddenCodec, processes: int, threads_per_process: int):
+        self.pool = ProcessPoolExecutor(max_workers=processes, mp_context=get_context("spawn"), initializer=_init,
+                                        initargs=(url, meta, codec, threads_per_process, os.getpid()))
         # Start every process now, from this thread (the death signal follows the thread that started
         # them), and surface a failing start before any GPU work.
         [f.result() for f in [self.pool.submit(_ready) for _ in range(processes)]]
 
-    def write(self, segment: int, small: dict[str, Any], shared: SharedArrays) -> dict[str, Any]:
+    def write(self, segment: int, small: dict[str, Any], shared: SharedArrays) -> SegmentCommit:
         return self.pool.submit(_write, segment, small, shared.specs).result()
 
     def close(self) -> None:

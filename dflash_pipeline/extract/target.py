@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,13 +309,3 @@ def tokenizer_files(path: Path | str) -> dict[str, bytes]:
             out[name] = f.read_bytes()
     return out
 
-
-def visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def env_rank() -> tuple[int, int, int] | None:
-    """(rank, world, local_rank) when started by torchrun / accelerate launch, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    return None

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_pipeline.method import GAMMA_BY_BLOCK_SIZE, gamma_table_text
+
 CODEC_NAMES = ("bf16", "fp8")
 
 
@@ -67,63 +69,66 @@ class ExtractConfig:
         return _to_dict(self)
 
 
-@dataclass
-class TrainConfig:
-    """`dflash train`: store -> drafter. Loss normalisation: each term is a weighted sum over labelled
-    block slots divided by the sum of the weights (decay-weighted count)."""
+# -- training: one section per component, each owning (and validating) its options ---------------------
 
-    store: str
-    out: str
-    epochs: float | None = None          # default 1 when neither epochs nor steps is given
-    steps: int | None = None
+
+@dataclass
+class ModelConfig:
+    """The drafter's architecture, beyond what the store's target fixes (width, heads, vocabulary)."""
+
     num_layers: int = 5
     block_size: int = 16
+    layers: list[int] | None = None      # target layers to use (default: every layer in the store)
+    mask_token_id: int | None = None     # default: the method's rule (see method.py)
+    sliding_window: int | None = None
+    swa_layers: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError("--num-layers must be >= 1")
+        if self.block_size < 2:
+            raise ValueError("--block-size must be >= 2")
+        if self.swa_layers and self.sliding_window is None:
+            raise ValueError("--swa-layers needs --sliding-window")
+        if self.sliding_window is not None and not self.swa_layers:
+            raise ValueError("--sliding-window needs --swa-layers (which drafter layers use it)")
+        if any(i < 0 or i >= self.num_layers for i in self.swa_layers):
+            raise ValueError(f"--swa-layers {self.swa_layers} outside the drafter's {self.num_layers} layers")
+
+
+@dataclass
+class LossConfig:
+    """Anchors and the loss. Each term is a weighted sum over labelled block slots divided by the sum
+    of the weights (decay-weighted count)."""
+
     max_anchors: int = 512               # per sample per step
-    gamma: float | None = None           # None: 7 for B=16, 5 for 10, 4 for 8
+    gamma: float | None = None           # None: the published value for the block size (method.py)
     kl_weight: float = 0.0
     cap_weight: float = 0.0
     feature_noise: float = 0.0
-    sliding_window: int | None = None
-    swa_layers: list[int] = field(default_factory=list)
-    tokens_per_batch: int = 12288        # rows x row length per micro-batch
-    max_length: int = 3072               # row length; longer samples are truncated
-    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_anchors < 1:
+            raise ValueError("--max-anchors must be >= 1")
+        if not 0 <= self.kl_weight <= 1:
+            raise ValueError("--kl-weight must be in [0, 1] (the KL share of the CE/KL blend)")
+        if self.cap_weight < 0 or self.feature_noise < 0:
+            raise ValueError("--cap-weight and --feature-noise must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer, its schedule and the run's length."""
+
+    epochs: float | None = None          # default 1 when neither epochs nor steps is given
+    steps: int | None = None
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    grad_accum: int = 1
     ema: float | None = None
-    gpus: str = "all"
-    eval_fraction: float = 0.02
-    eval_every: int = 0                  # 0: at the end of each epoch only
-    eval_max_samples: int = 256
-    log_every: int = 10
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    resume: bool = False
-    strict: bool = False
-    activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
-    checkpoint_layers: int = 0              # recompute only the first N layers (between none and all)
-    ddp_bucket_mb: float = 100.0            # DDP all-reduce bucket size (PyTorch's default is 25 MB)
-    compile: bool = True                    # fused compiled kernels on CUDA (False: eager, same numbers)
-    seed: int = 0
-    num_workers: int = 2
-    wandb: str | None = None
-    tensorboard: bool = False
-    device: str = "auto"
-    num_procs: int | None = None         # CPU only: DDP processes (tests of the multi-process path)
-    loss_chunk: int = 4096
-    layers: list[int] | None = None      # target layers to use (default: every layer in the store)
-    mask_token_id: int | None = None     # default: the method's rule (see train/model.py)
-    stop_after: int | None = None        # checkpoint and exit after this many steps of this invocation
-    quiet: bool = False
-
-    # Changing any of these makes a resumed run differ from an uninterrupted one.
-    RESUME_KEYS = ("store", "epochs", "steps", "num_layers", "block_size", "max_anchors", "gamma", "kl_weight",
-                   "cap_weight", "feature_noise", "sliding_window", "swa_layers", "tokens_per_batch", "max_length",
-                   "grad_accum", "lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "grad_clip", "ema",
-                   "eval_fraction", "seed", "layers", "mask_token_id")
 
     def __post_init__(self) -> None:
         if self.epochs is not None and self.steps is not None:
@@ -134,49 +139,150 @@ class TrainConfig:
             raise ValueError("--epochs must be > 0")
         if self.steps is not None and self.steps < 1:
             raise ValueError("--steps must be >= 1")
-        for name in ("num_layers", "max_anchors", "tokens_per_batch", "max_length", "grad_accum", "log_every",
-                     "keep_checkpoints", "loss_chunk", "eval_max_samples"):
+        if self.grad_accum < 1:
+            raise ValueError("--grad-accum must be >= 1")
+        if self.ema is not None and not 0 < self.ema < 1:
+            raise ValueError("--ema must be in (0, 1), e.g. 0.999")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError("--warmup-ratio must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    """What the trainer reads: the store, cut into rows, less the held-out share."""
+
+    store: str
+    tokens_per_batch: int = 12288        # rows x row length per micro-batch
+    max_length: int = 3072               # row length; longer samples are truncated
+    eval_fraction: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_batch", "max_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.block_size < 2:
-            raise ValueError("--block-size must be >= 2")
-        if self.checkpoint_layers < 0:
-            raise ValueError("--checkpoint-layers must be >= 0")
-        if self.ddp_bucket_mb <= 0:
-            raise ValueError("--ddp-bucket-mb must be > 0")
-        if self.gamma is None and self.block_size not in (8, 10, 16):
-            raise ValueError(f"--gamma: no published loss decay for block size {self.block_size} "
-                             "(7 for 16, 5 for 10, 4 for 8); pass --gamma")
         if self.tokens_per_batch % self.max_length:
             raise ValueError(f"--tokens-per-batch ({self.tokens_per_batch}) must be a multiple of "
                              f"--max-length ({self.max_length}): a batch is rows of max-length tokens")
-        if not 0 <= self.kl_weight <= 1:
-            raise ValueError("--kl-weight must be in [0, 1] (the KL share of the CE/KL blend)")
-        if self.cap_weight < 0 or self.feature_noise < 0:
-            raise ValueError("--cap-weight and --feature-noise must be >= 0")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError("--eval-fraction must be in [0, 1)")
-        if self.ema is not None and not 0 < self.ema < 1:
-            raise ValueError("--ema must be in (0, 1), e.g. 0.999")
-        if self.swa_layers and self.sliding_window is None:
-            raise ValueError("--swa-layers needs --sliding-window")
-        if self.sliding_window is not None and not self.swa_layers:
-            raise ValueError("--sliding-window needs --swa-layers (which drafter layers use it)")
-        if any(i < 0 or i >= self.num_layers for i in self.swa_layers):
-            raise ValueError(f"--swa-layers {self.swa_layers} outside the drafter's {self.num_layers} layers")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError("--warmup-ratio must be in [0, 1)")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be auto, cuda or cpu, got '{self.device}'")
 
     @property
     def rows_per_batch(self) -> int:
         return self.tokens_per_batch // self.max_length
 
+
+@dataclass
+class RuntimeConfig:
+    """Where and how this invocation computes: devices, processes, memory and kernel choices. None of
+    these changes the numbers a step computes, so they may differ on --resume."""
+
+    gpus: str = "all"
+    device: str = "auto"
+    num_procs: int | None = None         # CPU only: DDP processes (tests of the multi-process path)
+    num_workers: int = 2
+    strict: bool = False
+    activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
+    checkpoint_layers: int = 0              # recompute only the first N layers (between none and all)
+    ddp_bucket_mb: float = 100.0            # DDP all-reduce bucket size (PyTorch's default is 25 MB)
+    compile: bool = True                    # fused compiled kernels on CUDA (False: eager, same numbers)
+    loss_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.loss_chunk < 1:
+            raise ValueError("--loss-chunk must be >= 1")
+        if self.checkpoint_layers < 0:
+            raise ValueError("--checkpoint-layers must be >= 0")
+        if self.ddp_bucket_mb <= 0:
+            raise ValueError("--ddp-bucket-mb must be > 0")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got '{self.device}'")
+
+
+@dataclass
+class OutputConfig:
+    """What the run writes and when: the run directory, logs, evaluations, checkpoints, trackers."""
+
+    out: str
+    log_every: int = 10
+    eval_every: int = 0                  # 0: at the end of each epoch only
+    eval_max_samples: int = 256
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False
+    stop_after: int | None = None        # checkpoint and exit after this many steps of this invocation
+    wandb: str | None = None
+    tensorboard: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("log_every", "keep_checkpoints", "eval_max_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+_SECTIONS = {"model": ModelConfig, "loss": LossConfig, "optim": OptimConfig, "data": DataConfig,
+             "runtime": RuntimeConfig, "output": OutputConfig}
+_OWNER = {f.name: name for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(init=False)
+class TrainConfig:
+    """`dflash train`: store -> drafter, as sections owned by the components they configure.
+
+    Built from the command line's flat options (`TrainConfig(store=..., lr=..., ...)`: each name
+    belongs to exactly one section) or from sections. `to_dict()` is flat, under the option names, and
+    is what config.json and checkpoints hold; `TrainConfig.from_dict` reads it back.
+
+    `seed` and the sections model, loss, optim and data decide the computation: a resumed run must
+    match them (`resume_diff`). runtime and output may change between invocations.
+    """
+
+    model: ModelConfig
+    loss: LossConfig
+    optim: OptimConfig
+    data: DataConfig
+    runtime: RuntimeConfig
+    output: OutputConfig
+    seed: int = 0                        # weights, shuffling, held-out split, anchors and noise
+
+    COMPUTATION = ("seed", "model", "loss", "optim", "data")
+
+    def __init__(self, *, seed: int = 0, **options: Any) -> None:
+        given: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in options.items():
+            if key in _SECTIONS:
+                continue
+            if key not in _OWNER:
+                raise TypeError(f"TrainConfig got an unexpected option '{key}'")
+            given[_OWNER[key]][key] = value
+        for name, cls in _SECTIONS.items():
+            section = options.get(name)
+            if section is not None and given[name]:
+                raise TypeError(f"TrainConfig: give the {name} section or its options, not both")
+            setattr(self, name, section if section is not None else cls(**given[name]))
+        self.seed = seed
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        if self.loss.gamma is None and self.model.block_size not in GAMMA_BY_BLOCK_SIZE:
+            raise ValueError(f"--gamma: no published loss decay for block size {self.model.block_size} "
+                             f"({gamma_table_text()}); pass --gamma")
+
     def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
+        flat: dict[str, Any] = {}
+        for name in _SECTIONS:
+            flat.update(_to_dict(getattr(self, name)))
+        flat["seed"] = self.seed
+        return flat
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        return cls(**d)
 
     def resume_diff(self, saved: dict[str, Any]) -> list[str]:
+        """The options, among those that decide the computation, whose value differs from `saved` (a
+        checkpoint's flat config), each as one readable clause."""
         now = self.to_dict()
+        keys = [k for k in now if k == "seed" or _OWNER[k] in self.COMPUTATION]
         return [f"{k}: checkpoint has {saved.get(k)!r}, this run has {now.get(k)!r}"
-                for k in self.RESUME_KEYS if saved.get(k) != now.get(k)]
+                for k in keys if saved.get(k) != now.get(k)]

@@ -6,7 +6,7 @@ Everything a reader or trainer needs to refuse a mismatch is recorded here (in t
     <store>/zarr.json                 root group; attributes["dflash"] = StoreMeta
     <store>/target/                   frozen target tensors (embed, lm_head, final_norm) + files/
     <store>/segments/<id:08d>/        one group per segment, written by exactly one writer
-    <store>/commits/<id:08d>.json     the segment's commit marker (create-once, written last)
+    <store>/commits/<id:08d>.json     the segment's commit marker, SegmentCommit (create-once, written last)
     <store>/manifest.parquet          one row per sample, rebuilt from the commit markers
     <store>/runs/                     JSON run records of the commands that wrote the store
 
@@ -135,6 +135,80 @@ class StoreMeta:
 def _short(v: Any) -> str:
     s = json.dumps(v) if not isinstance(v, str) else v
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+@dataclass(frozen=True)
+class ArrayCommit:
+    """One array of a committed segment, as its commit marker records it."""
+
+    shape: list[int]
+    dtype: str                      # stored dtype (numpy's name; the codec's storage dtype for `hidden`)
+    crc32c: list[int]               # of the logical bytes: one value, one per layer for `hidden`
+    bytes: int                      # stored size of the array (metadata and chunk files)
+
+
+@dataclass(frozen=True)
+class SegmentCommit:
+    """The commit marker `commits/<id>.json`, the store's central record. Its writer writes it last and
+    create-once; a segment without one does not exist for any reader. It holds what readers check the
+    segment's arrays against (shapes, CRC32C, sizes), the sample index the manifest is rebuilt from,
+    and what `store stats` reports without decoding (per-layer feature sums, codec error, top-k mass).
+
+    The JSON keys are the field names in field order, as every store written so far has them; a marker
+    with a key missing or unknown is refused (`from_dict` raises ValueError naming the keys).
+    """
+
+    format_version: int
+    segment: int
+    writer: str                     # host:pid:nonce of the process that wrote the segment
+    created: str                    # ISO 8601, UTC
+    num_samples: int                # N
+    num_tokens: int                 # T
+    num_supervised: int             # tokens with loss_mask
+    sample_ids: list[int]           # [N] rows in the input data
+    sample_offsets: list[int]       # [N+1] first token of each sample, then T
+    sample_supervised: list[int]    # [N] supervised tokens per sample
+    arrays: dict[str, ArrayCommit]  # by array name
+    codec: str                      # the hidden-state codec's name
+    hidden_stats: dict[str, list[float]]  # per-layer sums of the raw features: count, sum, sumsq, absmax, nonfinite
+    codec_error: dict[str, list[float]]   # per-layer sums: err_sq, ref_sq, max_abs (zeros for a lossless codec)
+    topk_mass_sum: float            # sum over tokens of the teacher's top-k probability mass
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> bytes:
+        """The marker's bytes on storage (compact JSON)."""
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SegmentCommit":
+        _check_keys("commit marker", d, cls)
+        arrays = d["arrays"]
+        if not isinstance(arrays, dict):
+            raise ValueError(f"commit marker: 'arrays' is a {type(arrays).__name__}, not an object")
+        for name, a in arrays.items():
+            _check_keys(f"commit marker, array '{name}'", a, ArrayCommit)
+        return cls(**{**d, "arrays": {name: ArrayCommit(**a) for name, a in arrays.items()}})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "SegmentCommit":
+        try:
+            d = json.loads(raw)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            raise ValueError("unreadable JSON") from None
+        return cls.from_dict(d)
+
+
+def _check_keys(what: str, d: Any, cls) -> None:
+    """Refuse a record whose keys are not exactly the fields of `cls`."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} is a JSON {type(d).__name__}, not an object")
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing, unknown = [k for k in names if k not in d], sorted(k for k in d if k not in names)
+    if missing or unknown:
+        parts = ([f"missing keys {missing}"] if missing else []) + ([f"unknown keys {unknown}"] if unknown else [])
+        raise ValueError(f"{what}: " + ", ".join(parts))
 
 
 def manifest_schema():

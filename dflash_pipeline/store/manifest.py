@@ -8,13 +8,11 @@ it from `commits/` at the end of every extraction and on `store verify --repair`
 from __future__ import annotations
 
 import io
-import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
-from dflash_pipeline.schemas.store import COMMITS_PREFIX, MANIFEST_KEY, manifest_schema
+from dflash_pipeline.schemas.store import COMMITS_PREFIX, MANIFEST_KEY, SegmentCommit, commit_key, manifest_schema
 from dflash_pipeline.store.backends import KV
 
 
@@ -28,14 +26,13 @@ def committed_segments(kv: KV) -> list[int]:
     return sorted(out)
 
 
-def read_commits(kv: KV, segments: list[int], threads: int = 16) -> dict[int, dict[str, Any] | None]:
-    """Commit markers by segment id; None where a marker is unreadable (a damaged store)."""
-    from dflash_pipeline.schemas.store import commit_key
+def read_commits(kv: KV, segments: list[int], threads: int = 16) -> dict[int, SegmentCommit | None]:
+    """Commit markers by segment id; None where a marker is unreadable or malformed (a damaged store)."""
 
     def load(seg: int):
         raw = kv.get(commit_key(seg))
         try:
-            return seg, json.loads(raw) if raw is not None else None
+            return seg, SegmentCommit.from_json(raw) if raw is not None else None
         except ValueError:
             return seg, None
 
@@ -43,20 +40,20 @@ def read_commits(kv: KV, segments: list[int], threads: int = 16) -> dict[int, di
         return dict(pool.map(load, segments))
 
 
-def manifest_from_commits(commits: dict[int, dict[str, Any]]):
+def manifest_from_commits(commits: dict[int, SegmentCommit]):
     import pyarrow as pa
 
     cols: dict[str, list[np.ndarray]] = {k: [] for k in manifest_schema().names}
     for seg in sorted(commits):
         c = commits[seg]
-        offsets = np.asarray(c["sample_offsets"], dtype=np.int64)
+        offsets = np.asarray(c.sample_offsets, dtype=np.int64)
         n = len(offsets) - 1
         cols["segment"].append(np.full(n, seg, dtype=np.int64))
         cols["index"].append(np.arange(n, dtype=np.int32))
         cols["offset"].append(offsets[:-1])
         cols["length"].append(np.diff(offsets).astype(np.int32))
-        cols["supervised"].append(np.asarray(c["sample_supervised"], dtype=np.int32))
-        cols["sample_id"].append(np.asarray(c["sample_ids"], dtype=np.int64))
+        cols["supervised"].append(np.asarray(c.sample_supervised, dtype=np.int32))
+        cols["sample_id"].append(np.asarray(c.sample_ids, dtype=np.int64))
     schema = manifest_schema()
     arrays = [pa.array(np.concatenate(cols[f.name]) if cols[f.name] else np.array([], dtype=f.type.to_pandas_dtype()),
                        type=f.type) for f in schema]
@@ -71,7 +68,7 @@ def write_manifest(kv: KV, table) -> None:
     kv.put(MANIFEST_KEY, buf.getvalue())
 
 
-def rebuild_manifest(kv: KV, commits: dict[int, dict[str, Any]] | None = None):
+def rebuild_manifest(kv: KV, commits: dict[int, SegmentCommit | None] | None = None):
     """Recreate manifest.parquet from every readable commit marker; returns the table."""
     if commits is None:
         commits = read_commits(kv, committed_segments(kv))

@@ -22,7 +22,8 @@ import torch
 
 from dflash_pipeline.errors import CorruptSegmentError, StoreError
 from dflash_pipeline.schemas.store import (
-    FORMAT_VERSION, META_KEY, TARGET_FILES_PREFIX, TARGET_GROUP, StoreMeta, commit_key, segment_path,
+    FORMAT_VERSION, META_KEY, TARGET_FILES_PREFIX, TARGET_GROUP, SegmentCommit, StoreMeta, commit_key,
+    segment_path,
 )
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.codecs import get_codec
@@ -101,7 +102,7 @@ class StoreReader:
         self.codec = get_codec(self.meta.codec)
         self._lock = threading.Lock()
         self._manifest = None
-        self._commits: dict[int, dict[str, Any]] = {}
+        self._commits: dict[int, SegmentCommit] = {}
         self._arrays: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.manifest_was_missing = False
 
@@ -141,7 +142,8 @@ class StoreReader:
     def column(self, name: str) -> np.ndarray:
         return np.asarray(self.manifest.column(name))
 
-    def commit(self, segment: int) -> dict[str, Any]:
+    def commit(self, segment: int) -> SegmentCommit:
+        """The segment's commit marker (CorruptSegmentError if it is unreadable or malformed)."""
         with self._lock:
             if segment in self._commits:
                 return self._commits[segment]
@@ -149,9 +151,9 @@ class StoreReader:
         if raw is None:
             raise StoreError(f"{self.url}: segment {segment:08d} is not committed")
         try:
-            c = json.loads(raw)
-        except ValueError:
-            raise CorruptSegmentError(self.url, segment, "commit marker", "unreadable JSON") from None
+            c = SegmentCommit.from_json(raw)
+        except ValueError as e:
+            raise CorruptSegmentError(self.url, segment, "commit marker", str(e)) from None
         with self._lock:
             self._commits[segment] = c
         return c
@@ -177,14 +179,14 @@ class StoreReader:
                 return self._arrays[segment]
         c = self.commit(segment)
         out = {}
-        for name in c["arrays"]:
+        for name in c.arrays:
             try:
                 out[name] = zarr.open_array(self.zstore, path=f"{segment_path(segment)}/{name}", mode="r")
             except Exception as e:  # missing or unreadable array metadata
                 raise CorruptSegmentError(self.url, segment, name, f"cannot open array ({e})") from None
-            if list(out[name].shape) != c["arrays"][name]["shape"]:
+            if list(out[name].shape) != c.arrays[name].shape:
                 raise CorruptSegmentError(self.url, segment, name,
-                                          f"shape {list(out[name].shape)} != committed {c['arrays'][name]['shape']}")
+                                          f"shape {list(out[name].shape)} != committed {c.arrays[name].shape}")
         with self._lock:
             self._arrays[segment] = out
             while len(self._arrays) > self._cache_size:
@@ -274,10 +276,10 @@ class StoreReader:
             topk_ids_TK=raw["topk_ids"], topk_logprobs_TK=raw["topk_logprobs"],
         )
 
-    def _verify_raw(self, segment: int, c: dict[str, Any], raw: dict[str, np.ndarray],
+    def _verify_raw(self, segment: int, c: SegmentCommit, raw: dict[str, np.ndarray],
                     idx: list[int] | None, layer_crcs: list[int] | None = None) -> None:
         for name, arr in raw.items():
-            want = c["arrays"][name]["crc32c"]
+            want = c.arrays[name].crc32c
             if name == "hidden":
                 layer_idx = idx if idx is not None else list(range(arr.shape[1]))
                 for j, l in enumerate(layer_idx):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_pipeline.schemas.store import MANIFEST_KEY, SEGMENTS_PREFIX, TARGET_GROUP
+from dflash_pipeline.schemas.store import MANIFEST_KEY, SEGMENTS_PREFIX, TARGET_GROUP, SegmentCommit
 from dflash_pipeline.store.manifest import committed_segments, read_commits
 from dflash_pipeline.store.reader import StoreReader
 
@@ -30,33 +30,75 @@ def incomplete_segments(reader: StoreReader, committed: set[int]) -> list[int]:
     return sorted(out)
 
 
+def _chosen_commits(kv, committed: list[int], sample: int | None, seed: int,
+                    known: dict[int, SegmentCommit | None] | None) -> tuple[dict[int, SegmentCommit], bool]:
+    """The readable markers of every committed segment, or of a random `sample` of them (then True)."""
+    chosen = committed
+    sampled = sample is not None and 0 < sample < len(committed)
+    if sampled:
+        chosen = sorted(random.Random(seed).sample(committed, sample))
+    missing = [s for s in chosen if known is None or s not in known]
+    have = {} if known is None else {s: known[s] for s in chosen if s in known}
+    return {s: c for s, c in {**have, **read_commits(kv, missing)}.items() if c is not None}, sampled
+
+
+def _bytes_per_array(commits: dict[int, SegmentCommit], scale: float) -> dict[str, float]:
+    per_array: dict[str, float] = {}
+    for c in commits.values():
+        for name, a in c.arrays.items():
+            per_array[name] = per_array.get(name, 0.0) + a.bytes * scale
+    return per_array
+
+
+def _feature_sums(commits: dict[int, SegmentCommit], L: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], float]:
+    """Per-layer sums of the writers' feature statistics and codec error, and the summed top-k mass."""
+    sums = {k: np.zeros(L) for k in ("count", "sum", "sumsq", "absmax", "nonfinite")}
+    err = {k: np.zeros(L) for k in ("err_sq", "ref_sq", "max_abs")}
+    topk_mass = 0.0
+    for c in commits.values():
+        hs = c.hidden_stats
+        for k in sums:
+            if k in hs:
+                v = np.asarray(hs[k], dtype=np.float64)
+                sums[k] = np.maximum(sums[k], v) if k == "absmax" else sums[k] + v
+        ce = c.codec_error
+        for k in err:
+            if k in ce:
+                v = np.asarray(ce[k], dtype=np.float64)
+                err[k] = np.maximum(err[k], v) if k == "max_abs" else err[k] + v
+        topk_mass += c.topk_mass_sum
+    return sums, err, topk_mass
+
+
+def _layer_rows(layer_ids: list[int], sums: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    layers = []
+    for j, lid in enumerate(layer_ids):
+        n = max(sums["count"][j], 1.0)
+        mean = sums["sum"][j] / n
+        var = max(sums["sumsq"][j] / n - mean * mean, 0.0)
+        layers.append({"layer": lid, "mean": mean, "std": math.sqrt(var), "absmax": sums["absmax"][j],
+                       "nonfinite": int(sums["nonfinite"][j])})
+    return layers
+
+
 def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
-                  commits: dict[int, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+                  commits: dict[int, SegmentCommit | None] | None = None) -> dict[str, Any]:
     """`commits`: markers already read by the caller (by segment); the ones needed are not read again."""
     reader = StoreReader(url)
     meta = reader.meta
     committed = committed_segments(reader.kv)
     incomplete = incomplete_segments(reader, set(committed))
-    chosen = committed
-    sampled = sample is not None and 0 < sample < len(committed)
-    if sampled:
-        chosen = sorted(random.Random(seed).sample(committed, sample))
-    missing = [s for s in chosen if commits is None or s not in commits]
-    known = {} if commits is None else {s: commits[s] for s in chosen if s in commits}
-    commits = {s: c for s, c in {**known, **read_commits(reader.kv, missing)}.items() if c is not None}
+    commits, sampled = _chosen_commits(reader.kv, committed, sample, seed, commits)
 
     lengths = reader.column("length") if reader.num_samples else np.zeros(0, dtype=np.int64)
     supervised = reader.column("supervised") if reader.num_samples else np.zeros(0, dtype=np.int64)
     tokens = int(lengths.sum())
 
     # Sizes: measured on the chosen markers, scaled to the whole store when sampled.
-    seen_tokens = sum(c["num_tokens"] for c in commits.values()) or 1
-    all_tokens = sum(c["num_tokens"] for c in commits.values()) if not sampled else tokens
+    seen_tokens = sum(c.num_tokens for c in commits.values()) or 1
+    all_tokens = sum(c.num_tokens for c in commits.values()) if not sampled else tokens
     scale = (all_tokens / seen_tokens) if sampled else 1.0
-    per_array: dict[str, float] = {}
-    for c in commits.values():
-        for name, a in c["arrays"].items():
-            per_array[name] = per_array.get(name, 0.0) + a.get("bytes", 0) * scale
+    per_array = _bytes_per_array(commits, scale)
     other_bytes = reader.kv.size_prefix(TARGET_GROUP) + (len(reader.kv.get(MANIFEST_KEY) or b""))
     segment_bytes = sum(per_array.values())
     bytes_on_disk = segment_bytes + other_bytes
@@ -65,29 +107,7 @@ def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
     raw_hidden = tokens * L * H * 2
     stored_hidden = per_array.get("hidden", 0.0) + per_array.get("hidden_scale", 0.0)
 
-    # Per-layer statistics from the writers' sums.
-    sums = {k: np.zeros(L) for k in ("count", "sum", "sumsq", "absmax", "nonfinite")}
-    err = {k: np.zeros(L) for k in ("err_sq", "ref_sq", "max_abs")}
-    topk_mass = 0.0
-    for c in commits.values():
-        hs = c.get("hidden_stats") or {}
-        for k in sums:
-            if k in hs:
-                v = np.asarray(hs[k], dtype=np.float64)
-                sums[k] = np.maximum(sums[k], v) if k == "absmax" else sums[k] + v
-        ce = c.get("codec_error") or {}
-        for k in err:
-            if k in ce:
-                v = np.asarray(ce[k], dtype=np.float64)
-                err[k] = np.maximum(err[k], v) if k == "max_abs" else err[k] + v
-        topk_mass += c.get("topk_mass_sum", 0.0)
-    layers = []
-    for j, lid in enumerate(meta.layer_ids):
-        n = max(sums["count"][j], 1.0)
-        mean = sums["sum"][j] / n
-        var = max(sums["sumsq"][j] / n - mean * mean, 0.0)
-        layers.append({"layer": lid, "mean": mean, "std": math.sqrt(var), "absmax": sums["absmax"][j],
-                       "nonfinite": int(sums["nonfinite"][j])})
+    sums, err, topk_mass = _feature_sums(commits, L)
     rel_err = math.sqrt(err["err_sq"].sum() / err["ref_sq"].sum()) if err["ref_sq"].sum() > 0 else 0.0
     nonfinite = int(sums["nonfinite"].sum() * scale)
 
@@ -122,7 +142,7 @@ def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
         "topk": meta.topk,
         "topk_mass_mean": topk_mass / seen_tokens if meta.topk and commits else 0.0,
         "nonfinite_values": nonfinite,
-        "layers": layers,
+        "layers": _layer_rows(meta.layer_ids, sums),
         "length_hist": {"counts": [int(x) for x in hist_counts], "edges": [float(x) for x in hist_edges]},
         "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
         "length_max": int(lengths.max()) if len(lengths) else 0,

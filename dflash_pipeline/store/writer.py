@@ -25,13 +25,13 @@ import torch
 
 from dflash_pipeline.errors import ConfigMismatchError, StoreError
 from dflash_pipeline.schemas.store import (
-    FORMAT_VERSION, META_KEY, RUNS_PREFIX, TARGET_FILES_PREFIX, TARGET_GROUP, StoreMeta, commit_key,
-    segment_path,
+    FORMAT_VERSION, META_KEY, RUNS_PREFIX, TARGET_FILES_PREFIX, TARGET_GROUP, ArrayCommit, SegmentCommit,
+    StoreMeta, commit_key, segment_path,
 )
 from dflash_pipeline.store.backends import KV, open_zarr_store
 from dflash_pipeline.store.shards import write_layer_shards
 from dflash_pipeline.store.codecs import (
-    chunk_tokens, get_codec, hidden_layer_stats, small_array_compressors,
+    HiddenCodec, chunk_tokens, get_codec, hidden_layer_stats, small_array_compressors,
 )
 
 
@@ -72,14 +72,18 @@ class SegmentArrays:
 
 class StoreWriter:
     """Opens (or creates) a store for writing segments. Safe for one writer per segment id at a time,
-    any number of processes and hosts at once."""
+    any number of processes and hosts at once.
 
-    def __init__(self, url: str, meta: StoreMeta, *, create: bool = True):
+    `codec`: the hidden-state codec named by `meta`, where the caller already has it (extraction builds
+    it once from its config and hands it to every process that writes); else it is looked up here."""
+
+    def __init__(self, url: str, meta: StoreMeta, *, codec: HiddenCodec | None = None, create: bool = True):
         import zarr
 
+        assert codec is None or codec.name == meta.codec, (codec.name, meta.codec)
         self.url = url
         self.meta = meta
-        self.codec = get_codec(meta.codec)
+        self.codec = codec if codec is not None else get_codec(meta.codec)
         self.zstore = open_zarr_store(url, read_only=False)
         self.kv = KV(self.zstore)
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -106,18 +110,61 @@ class StoreWriter:
     def is_committed(self, segment: int) -> bool:
         return self.kv.exists(commit_key(segment))
 
-    def write_segment(self, segment: int, arrays: SegmentArrays) -> dict[str, Any]:
+    def write_segment(self, segment: int, arrays: SegmentArrays) -> SegmentCommit:
         """Write one segment (each array in one call) and commit it. Returns the commit marker."""
-        import zarr
-
         arrays.check()
         if self.is_committed(segment):
             raise StoreError(f"{self.url}: segment {segment:08d} is already committed")
         base = segment_path(segment)
         self.kv.delete_prefix(base)  # leftovers of a crashed attempt
+        written = self._write_arrays(base, arrays)
+        records = {name: ArrayCommit(shape, dtype, crcs, self.kv.size_prefix(f"{base}/{name}"))
+                   for name, (shape, dtype, crcs) in written.items()}
+        marker = self._marker(segment, arrays, records)
+        if not self.kv.put_if_absent(commit_key(segment), marker.to_json()):
+            raise StoreError(f"{self.url}: segment {segment:08d} was committed by another writer meanwhile")
+        return marker
+
+    def _write_arrays(self, base: str, arrays: SegmentArrays) -> dict[str, tuple[list[int], str, list[int]]]:
+        """Every array of the segment: name -> (shape, dtype, CRC32C list), in the marker's order."""
+        import zarr
+        from zarr.codecs import Crc32cCodec
+
+        # hidden first, so that its shards compress on the pool while the small arrays are written
+        # here: one shard per layer (a few objects per segment), inner chunks of C tokens so that one
+        # sample can be read without its whole segment; CRC32C on every inner chunk catches damage.
         T, L, H = arrays.hidden_TLH.shape
+        C = chunk_tokens(H, arrays.hidden_TLH.dtype.itemsize)
+        C = min(C, max(T, 1))
+        shard_T = -(-T // C) * C
+        # The big array: metadata through zarr, shards encoded on our thread pool (see shards.py).
+        compressors = [*self.codec.compressors(), Crc32cCodec()]
+        zarr.create_array(self.zstore, name=f"{base}/hidden", shape=arrays.hidden_TLH.shape,
+                          dtype=arrays.hidden_TLH.dtype, chunks=(C, 1, H), shards=(shard_T, 1, H),
+                          compressors=compressors, fill_value=0)
+        hidden = write_layer_shards(self.kv, f"{base}/hidden", arrays.hidden_TLH, C, compressors[0]) if T else None
+        try:
+            written = self._write_small_arrays(base, arrays, C, shard_T)
+        except BaseException:
+            if hidden is not None:  # the pool still reads the caller's array: let it finish first
+                try:
+                    hidden.result()
+                except BaseException:
+                    pass
+            raise
+        written["hidden"] = (list(arrays.hidden_TLH.shape), str(arrays.hidden_TLH.dtype),
+                             hidden.result() if hidden is not None else [0] * L)
+        return written
+
+    def _write_small_arrays(self, base: str, arrays: SegmentArrays, C: int,
+                            shard_T: int) -> dict[str, tuple[list[int], str, list[int]]]:
+        """Everything but `hidden`, each through zarr in one call; per-token arrays sharded like `hidden`."""
+        import zarr
+        from zarr.codecs import Crc32cCodec
+
+        T, L, _ = arrays.hidden_TLH.shape
         K = arrays.topk_ids_TK.shape[1]
-        record: dict[str, dict[str, Any]] = {}
+        written: dict[str, tuple[list[int], str, list[int]]] = {}
 
         def put(name: str, data: np.ndarray, chunks: tuple, shards: tuple | None, compressors: list,
                 crcs: list[int]) -> None:
@@ -129,75 +176,48 @@ class StoreWriter:
             zarr.create_array(self.zstore, name=f"{base}/{name}", data=data, chunks=chunks, shards=shards,
                               compressors=compressors, fill_value=0, write_data=True,
                               config={"write_empty_chunks": True})
-            record[name] = {"shape": list(data.shape), "dtype": str(data.dtype), "crc32c": crcs}
+            written[name] = (list(data.shape), str(data.dtype), crcs)
 
-        from zarr.codecs import Crc32cCodec
+        put("tokens", arrays.tokens_T.astype(np.int32, copy=False), (T,), None, small_array_compressors(4),
+            [crc32c(arrays.tokens_T)])
+        put("loss_mask", arrays.loss_mask_T.astype(bool, copy=False), (T,), None, small_array_compressors(1),
+            [crc32c(arrays.loss_mask_T)])
+        put("sample_offsets", arrays.sample_offsets.astype(np.int64, copy=False), (len(arrays.sample_offsets),),
+            None, small_array_compressors(8), [crc32c(arrays.sample_offsets)])
+        put("sample_ids", arrays.sample_ids.astype(np.int64, copy=False), (len(arrays.sample_ids),), None,
+            small_array_compressors(8), [crc32c(arrays.sample_ids)])
+        if self.codec.has_scale:
+            assert arrays.hidden_scale_TL is not None
+            put("hidden_scale", arrays.hidden_scale_TL.astype(np.float32, copy=False), (C, L), (shard_T, L),
+                [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.hidden_scale_TL)])
+        put("topk_ids", arrays.topk_ids_TK.astype(np.int32, copy=False), (C, K), (shard_T, K),
+            [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.topk_ids_TK)])
+        put("topk_logprobs", arrays.topk_logprobs_TK.astype(np.float16, copy=False), (C, K), (shard_T, K),
+            [*small_array_compressors(2), Crc32cCodec()], [crc32c(arrays.topk_logprobs_TK)])
+        return written
 
-        # hidden first, so that its shards compress on the pool while the small arrays are written
-        # here: one shard per layer (a few objects per segment), inner chunks of C tokens so that one
-        # sample can be read without its whole segment; CRC32C on every inner chunk catches damage.
-        C = chunk_tokens(H, arrays.hidden_TLH.dtype.itemsize)
-        C = min(C, max(T, 1))
-        shard_T = -(-T // C) * C
-        # The big array: metadata through zarr, shards encoded on our thread pool (see shards.py).
-        compressors = [*self.codec.compressors(), Crc32cCodec()]
-        zarr.create_array(self.zstore, name=f"{base}/hidden", shape=arrays.hidden_TLH.shape,
-                          dtype=arrays.hidden_TLH.dtype, chunks=(C, 1, H), shards=(shard_T, 1, H),
-                          compressors=compressors, fill_value=0)
-        hidden = write_layer_shards(self.kv, f"{base}/hidden", arrays.hidden_TLH, C, compressors[0]) if T else None
-        try:
-            put("tokens", arrays.tokens_T.astype(np.int32, copy=False), (T,), None, small_array_compressors(4),
-                [crc32c(arrays.tokens_T)])
-            put("loss_mask", arrays.loss_mask_T.astype(bool, copy=False), (T,), None, small_array_compressors(1),
-                [crc32c(arrays.loss_mask_T)])
-            put("sample_offsets", arrays.sample_offsets.astype(np.int64, copy=False), (len(arrays.sample_offsets),),
-                None, small_array_compressors(8), [crc32c(arrays.sample_offsets)])
-            put("sample_ids", arrays.sample_ids.astype(np.int64, copy=False), (len(arrays.sample_ids),), None,
-                small_array_compressors(8), [crc32c(arrays.sample_ids)])
-            if self.codec.has_scale:
-                assert arrays.hidden_scale_TL is not None
-                put("hidden_scale", arrays.hidden_scale_TL.astype(np.float32, copy=False), (C, L), (shard_T, L),
-                    [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.hidden_scale_TL)])
-            put("topk_ids", arrays.topk_ids_TK.astype(np.int32, copy=False), (C, K), (shard_T, K),
-                [*small_array_compressors(4), Crc32cCodec()], [crc32c(arrays.topk_ids_TK)])
-            put("topk_logprobs", arrays.topk_logprobs_TK.astype(np.float16, copy=False), (C, K), (shard_T, K),
-                [*small_array_compressors(2), Crc32cCodec()], [crc32c(arrays.topk_logprobs_TK)])
-        except BaseException:
-            if hidden is not None:  # the pool still reads the caller's array: let it finish first
-                try:
-                    hidden.result()
-                except BaseException:
-                    pass
-            raise
-        record["hidden"] = {"shape": list(arrays.hidden_TLH.shape), "dtype": str(arrays.hidden_TLH.dtype),
-                            "crc32c": hidden.result() if hidden is not None else [0] * L}
-        for name in record:
-            record[name]["bytes"] = self.kv.size_prefix(f"{base}/{name}")
-
+    def _marker(self, segment: int, arrays: SegmentArrays, records: dict[str, ArrayCommit]) -> SegmentCommit:
         offsets = arrays.sample_offsets
         supervised = np.add.reduceat(arrays.loss_mask_T.astype(np.int64), offsets[:-1]) if len(offsets) > 1 else []
+        K = arrays.topk_ids_TK.shape[1]
         topk_mass = float(np.exp(arrays.topk_logprobs_TK.astype(np.float64)).sum()) if K else 0.0
-        marker = {
-            "format_version": FORMAT_VERSION,
-            "segment": segment,
-            "writer": self.writer_id,
-            "created": now_iso(),
-            "num_samples": int(len(arrays.sample_ids)),
-            "num_tokens": int(T),
-            "num_supervised": int(arrays.loss_mask_T.sum()),
-            "sample_ids": arrays.sample_ids.tolist(),
-            "sample_offsets": offsets.tolist(),
-            "sample_supervised": [int(x) for x in supervised],
-            "arrays": record,
-            "codec": self.codec.name,
-            "hidden_stats": arrays.hidden_stats,
-            "codec_error": arrays.codec_error,
-            "topk_mass_sum": topk_mass,
-        }
-        payload = json.dumps(marker, separators=(",", ":")).encode()
-        if not self.kv.put_if_absent(commit_key(segment), payload):
-            raise StoreError(f"{self.url}: segment {segment:08d} was committed by another writer meanwhile")
-        return marker
+        return SegmentCommit(
+            format_version=FORMAT_VERSION,
+            segment=segment,
+            writer=self.writer_id,
+            created=now_iso(),
+            num_samples=int(len(arrays.sample_ids)),
+            num_tokens=int(len(arrays.tokens_T)),
+            num_supervised=int(arrays.loss_mask_T.sum()),
+            sample_ids=arrays.sample_ids.tolist(),
+            sample_offsets=offsets.tolist(),
+            sample_supervised=[int(x) for x in supervised],
+            arrays=records,
+            codec=self.codec.name,
+            hidden_stats=arrays.hidden_stats,
+            codec_error=arrays.codec_error,
+            topk_mass_sum=topk_mass,
+        )
 
     # -- target tensors and files -----------------------------------------------------------------
 
@@ -247,7 +267,7 @@ class SegmentBuilder:
         self.parts.append((sample_id, np.asarray(tokens), np.asarray(loss_mask), hidden_TLH,
                            np.asarray(topk_ids), np.asarray(topk_logprobs)))
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self) -> SegmentCommit:
         codec = self.writer.codec
         hidden = torch.cat([p[3] for p in self.parts])
         enc = codec.encode(hidden)

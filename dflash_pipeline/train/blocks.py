@@ -8,7 +8,8 @@ A block is [token at p, MASK x (B-1)] at positions pos[p] + 0..B-1. Labels are s
 (k >= 1) predicts the token at row index p + k, with weight exp(-(k-1)/gamma) if p + k lies inside the
 same sample and is supervised, else 0; slot 0 has weight 0. There is no EAGLE-style shift. The teacher
 distribution for the token at row index t is the target's next-token distribution stored at t - 1,
-i.e. at `label_index - 1`.
+i.e. at `label_index - 1`. These rules (block inputs, label and teacher rows, the decay) are the
+method's and live in `dflash_pipeline.method`; this module applies them to packed rows.
 
 Padding is explicit: padded anchors are -1, padded blocks get block id -1, doc -1 and weight 0.
 
@@ -21,16 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_pipeline.method import block_input_ids, label_index, position_decay
+
 IGNORE_LABEL = -100
-_PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-
-
-def default_gamma(block_size: int) -> float:
-    """The paper's decay constant for a block size (7 for 16, 5 for 10, 4 for 8)."""
-    if block_size not in _PUBLISHED_GAMMA:
-        raise ValueError(f"no published loss decay gamma for block size {block_size} (known: "
-                         f"{sorted(_PUBLISHED_GAMMA)}); set gamma explicitly")
-    return _PUBLISHED_GAMMA[block_size]
 
 
 def anchor_candidates(loss_mask_S: torch.Tensor, doc_S: torch.Tensor) -> torch.Tensor:
@@ -118,19 +112,18 @@ def build_blocks(
     anchor_pos_RA = torch.where(valid_RA, at(pos_RS, anchor_RA), 0)
     anchor_tok_RA = at(input_ids_RS, anchor_RA)
 
-    token_RAB = torch.full((R, A, B), mask_token_id, dtype=torch.long, device=device)
-    token_RAB[:, :, 0] = torch.where(valid_RA, anchor_tok_RA, mask_token_id)
+    token_RAB = block_input_ids(torch.where(valid_RA, anchor_tok_RA, mask_token_id), B, mask_token_id)
     pos_RAB = anchor_pos_RA[:, :, None] + slot_B
     doc_RAB = anchor_doc_RA[:, :, None].expand(R, A, B)
     block_RAB = torch.where(valid_RA, torch.arange(A, device=device), -1)[:, :, None].expand(R, A, B)
 
-    target_RAB = anchor_RA[:, :, None] + slot_B
+    target_RAB = label_index(anchor_RA[:, :, None], slot_B)
     in_row_RAB = target_RAB < S
     target_flat = target_RAB.clamp_max(S - 1).reshape(R, A * B)
     same_doc_RAB = at(doc_RS, target_flat).view(R, A, B) == anchor_doc_RA[:, :, None]
     supervised_RAB = at(loss_mask_RS.bool(), target_flat).view(R, A, B)
     labelled_RAB = valid_RA[:, :, None] & in_row_RAB & same_doc_RAB & supervised_RAB & (slot_B > 0)
-    decay_B = torch.exp(-(slot_B.float() - 1.0) / gamma)
+    decay_B = position_decay(slot_B, gamma)
     weights_RAB = torch.where(labelled_RAB, decay_B, 0.0)
     labels_RAB = torch.where(labelled_RAB, at(input_ids_RS, target_flat).view(R, A, B), IGNORE_LABEL)
     label_index_RAB = torch.where(labelled_RAB, target_RAB, -1)
@@ -149,5 +142,4 @@ def build_blocks(
     )
 
 
-__all__ = ["IGNORE_LABEL", "Blocks", "anchor_candidates", "build_blocks", "default_gamma", "pad_anchors",
-           "sample_anchors"]
+__all__ = ["IGNORE_LABEL", "Blocks", "anchor_candidates", "build_blocks", "pad_anchors", "sample_anchors"]

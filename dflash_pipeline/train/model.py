@@ -20,7 +20,7 @@ H hidden, h heads, D head dim, T cached positions, n new context positions, B bl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_pipeline.train.kernels import EAGER, Kernels, kernels, out_dtype_for
-from dflash_pipeline.train.masks import MaskLayout, attend, build_mask, choose_backend, dense_mask
+from dflash_pipeline.train.masks import BACKENDS, MaskLayout, attend, build_mask, choose_backend, dense_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -112,37 +112,39 @@ class DrafterConfig:
         return cls(**d)
 
 
-def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Target layers whose outputs feed the drafter: n=1 -> [L//2], else spread over 1 .. L-3."""
-    if n < 1 or num_target_layers < 1:
-        raise ValueError(f"need n >= 1 features from a target of >= 1 layers, got n={n}, L={num_target_layers}")
-    if n == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    ids = [round(1 + (i * span) / (n - 1)) for i in range(n)]
-    if len(set(ids)) != n or min(ids) < 0:
-        raise ValueError(f"cannot pick {n} distinct feature layers from a target of {num_target_layers} "
-                         f"layers; pass target_layer_ids explicitly")
-    return ids
+@dataclass(frozen=True)
+class DrafterOptions:
+    """How the drafter computes, never what: its outputs (up to float rounding), its config and its
+    state dict are the same under every setting, so none of these is exported or saved."""
+
+    # The first `checkpoint_layers` layers recompute their activations in backward: each one
+    # checkpointed trades a layer's activations (7.7 GiB in the memory case) for its forward again.
+    checkpoint_layers: int = 0
+    # Elementwise chains (norms, residual adds, RoPE) as compiled fused kernels (kernels.py) in the
+    # training forward, and the loss's chunk math (run_blocks): None = on CUDA, False = eager
+    # everywhere (same numbers, ~150 ms more per step at the 8B shape), True = everywhere.
+    compile_kernels: bool | None = None
+    attn_backend: str | None = None  # None: flex on CUDA, dense elsewhere; or one of masks.BACKENDS
+
+    def __post_init__(self):
+        if self.checkpoint_layers < 0:
+            raise ValueError(f"checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
+        if self.attn_backend is not None and self.attn_backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend '{self.attn_backend}': use one of {', '.join(BACKENDS)}")
 
 
-def choose_mask_token_id(config_value: int | None, tokenizer, embedding_rows: int) -> int:
-    """The config's mask id, else the tokenizer's mask token, else the first row past the tokenizer."""
-    if config_value is not None:
-        if not 0 <= int(config_value) < embedding_rows:
-            raise ValueError(f"mask_token_id {config_value} is outside the target's embedding table "
-                             f"({embedding_rows} rows)")
-        return int(config_value)
-    tokenizer_mask = getattr(tokenizer, "mask_token_id", None)
-    if tokenizer_mask is not None and 0 <= tokenizer_mask < embedding_rows:
-        return int(tokenizer_mask)
-    if len(tokenizer) < embedding_rows:
-        return len(tokenizer)
-    raise ValueError(
-        f"no mask token: the tokenizer has no mask token and all {embedding_rows} embedding rows are "
-        f"used by its {len(tokenizer)} tokens; set mask_token_id in the config (e.g. a reserved or "
-        f"rarely used special token id)"
-    )
+class _Option:
+    """A DrafterOptions field as an attribute of the model: read from `model.options`; setting it
+    replaces the options (validated again)."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, model, owner=None):
+        return self if model is None else getattr(model.options, self.name)
+
+    def __set__(self, model, value) -> None:
+        model.options = replace(model.options, **{self.name: value})
 
 
 def init_drafter_weights(model: "DFlashDrafter", std: float = 0.02, generator: torch.Generator | None = None):
@@ -284,21 +286,14 @@ class DrafterCache:
 class DFlashDrafter(nn.Module):
     """The trainable drafter. Embedding and LM head stay with the (frozen) target, outside this module."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, options: DrafterOptions | None = None):
         super().__init__()
         self.config = cfg
+        self.options = options or DrafterOptions()
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn_backend: str | None = None  # None: flex on CUDA, dense elsewhere
-        # The first `checkpoint_layers` layers recompute their activations in backward: each one
-        # checkpointed trades a layer's activations (7.7 GiB in the memory case) for its forward again.
-        self.checkpoint_layers = 0
-        # Elementwise chains (norms, residual adds, RoPE) as compiled fused kernels (kernels.py) in the
-        # training forward: None = on CUDA, False = eager everywhere (same numbers, ~150 ms more per
-        # step at the 8B shape).
-        self.compile_kernels: bool | None = None
 
     def fuse(self, features_RSF: torch.Tensor, k: Kernels = EAGER) -> torch.Tensor:
         """Concatenated target features -> context hidden states [R, S, H]."""
@@ -309,6 +304,11 @@ class DFlashDrafter(nn.Module):
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x), out_dtype_for(x.device), k)
+
+    # Each option also reads (and, for tests comparing paths on one set of weights, sets) by its name.
+    checkpoint_layers = _Option()
+    compile_kernels = _Option()
+    attn_backend = _Option()
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -341,7 +341,8 @@ class DFlashDrafter(nn.Module):
         """
         cfg = self.config
         dtype = self.fc.weight.dtype
-        compiled = self.compile_kernels if self.compile_kernels is not None else features_RSF.device.type == "cuda"
+        opts = self.options
+        compiled = opts.compile_kernels if opts.compile_kernels is not None else features_RSF.device.type == "cuda"
         k = kernels(compiled)
         ctx_RSH = self.fuse(features_RSF, k)
         h_RQH = block_embeds_RQH.to(dtype)
@@ -349,7 +350,7 @@ class DFlashDrafter(nn.Module):
         rope_q = self._rope(block_pos_RQ, dtype)
         layout = MaskLayout.for_training(ctx_pos_RS, ctx_doc_RS, block_pos_RQ, block_doc_RQ, block_id_RQ,
                                          cfg.block_size)
-        backend = choose_backend(h_RQH.device, self.attn_backend)
+        backend = choose_backend(h_RQH.device, opts.attn_backend)
         masks = {}
         for i in range(cfg.num_layers):
             kind = cfg.layer_mask_kind(i)
@@ -357,7 +358,7 @@ class DFlashDrafter(nn.Module):
                 masks[kind] = build_mask(layout, *kind, backend)
         for i, layer in enumerate(self.layers):
             mask = masks[cfg.layer_mask_kind(i)]
-            if i < self.checkpoint_layers and self.training and torch.is_grad_enabled():
+            if i < opts.checkpoint_layers and self.training and torch.is_grad_enabled():
                 # Eager inside the checkpoint: compiled autograd functions do not run under its hooks.
                 h_RQH = checkpoint(layer, h_RQH, ctx_RSH, rope_q, rope_ctx, mask, False, use_reentrant=False)
             else:
@@ -404,13 +405,6 @@ class DFlashDrafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def block_input_ids(anchor_ids: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """[..., B] token ids [anchor, MASK, ..., MASK] for anchor ids [...]."""
-    out = torch.full((*anchor_ids.shape, block_size), mask_token_id, dtype=torch.long, device=anchor_ids.device)
-    out[..., 0] = anchor_ids
-    return out
-
-
 def count_parameters_for(cfg: DrafterConfig) -> int:
     """Parameter count without allocating weights."""
     with torch.device("meta"):
@@ -418,6 +412,6 @@ def count_parameters_for(cfg: DrafterConfig) -> int:
 
 
 __all__ = [
-    "DrafterConfig", "DFlashDrafter", "DrafterCache", "RMSNorm", "default_layer_ids", "choose_mask_token_id",
-    "init_drafter_weights", "rope_cos_sin", "block_input_ids", "count_parameters_for",
+    "DrafterConfig", "DrafterOptions", "DFlashDrafter", "DrafterCache", "RMSNorm", "init_drafter_weights", "rope_cos_sin",
+    "count_parameters_for",
 ]

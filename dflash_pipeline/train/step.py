@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_pipeline.method import teacher_index
 from dflash_pipeline.train.blocks import build_blocks, pad_anchors, sample_anchors
-from dflash_pipeline.train.data import Batch
+from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.loss import fused_head_loss
 
 
@@ -113,7 +114,7 @@ def stage_blocks(batch: Batch, anchors_RA: torch.Tensor, *, block_size: int, mas
     w = blocks.weights_RQ.reshape(-1)
     sel = (w > 0).nonzero()[:, 0]
     row = sel // Q
-    teacher = row * S + (blocks.label_index_RQ.reshape(-1)[sel] - 1).clamp_min(0)
+    teacher = row * S + teacher_index(blocks.label_index_RQ.reshape(-1)[sel]).clamp_min(0)
     ints = [blocks.token_ids_RQ, blocks.pos_RQ, blocks.doc_RQ, blocks.block_id_RQ, sel,
             blocks.labels_RQ.reshape(-1)[sel], teacher]
     pairs = attention_pairs(blocks, block_size, layer_kinds)
@@ -166,7 +167,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
                           chunk_size=loss_chunk_for(loss_chunk, head.shape[0]),
-                          compiled=False if getattr(core, "compile_kernels", None) is False else None)
+                          compiled=False if core.options.compile_kernels is False else None)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
     labelled_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_fill_(0, st.sel_N, True)
     correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_put_((st.sel_N,), res.correct_N)

@@ -5,6 +5,11 @@ per GPU (spawned here, or given by torchrun / accelerate launch), DDP over the d
 autocast with fp32 master weights and AdamW, cosine schedule with warmup, clipping, accumulation,
 optional EMA. Checkpoints go out periodically, on SIGTERM/SIGINT and on `--stop-after`; `--resume`
 continues exactly (same anchors, noise and batches) and refuses another store or config.
+
+`run_train` launches the processes (launch.py); each runs `train_rank`: a `Trainer` is built (model,
+optimizer, loader, frozen tensors), resumed if asked, and its `train()` loop runs: step, then maybe
+log, evaluate, save. Metrics live in metrics.py, the held-out estimate in heldout.py, what comes from
+the store in from_store.py.
 """
 
 from __future__ import annotations
@@ -12,493 +17,370 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dflash_pipeline import __version__
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.extract.target import env_rank, visible_gpus
-from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_count, fmt_duration
-from dflash_pipeline.schemas.config import TrainConfig
-from dflash_pipeline.schemas.store import LAYER_CONVENTION
+from dflash_pipeline.launch import (Proc, StopRequest, bind_device, launch, launched, plan_processes,
+                                    process_group, stop_signals)
+from dflash_pipeline.method import default_gamma
+from dflash_pipeline.progress import JsonlLog, LiveLine, fmt_duration
+from dflash_pipeline.schemas.config import OptimConfig, TrainConfig
 from dflash_pipeline.store.reader import StoreReader
-from dflash_pipeline.train.blocks import default_gamma
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
-from dflash_pipeline.train.data import LoaderState, StreamingLoader, store_fingerprint
-from dflash_pipeline.train.evaluate import evaluate
-from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, choose_mask_token_id, init_drafter_weights
-from dflash_pipeline.train.step import (NOISE_STREAM, Frozen, draw_anchors, flops_from_totals, run_blocks,
-                                        step_generator)
-
-PEAK_BF16_FLOPS = 790e12   # measured bf16 matmul peak of one H200 (see BENCHMARKS.md)
-
-
-def drafter_config_for(cfg: TrainConfig, reader: StoreReader) -> DrafterConfig:
-    """A drafter of the target's width, from the target config stored in the store."""
-    attrs = reader.target_config()
-    tc = attrs["config"]
-    tc = tc.get("text_config", tc) if isinstance(tc.get("text_config"), dict) else tc
-    H = attrs["hidden_size"]
-    heads = tc.get("num_attention_heads")
-    layer_ids = list(cfg.layers) if cfg.layers else list(reader.meta.layer_ids)
-    missing = [k for k in layer_ids if k not in reader.meta.layer_ids]
-    if missing:
-        raise DFlashError(f"--layers {missing} are not in the store (it has {reader.meta.layer_ids})")
-    tokenizer = reader.load_tokenizer()
-    mask_id = pick_mask_token(cfg.mask_token_id, tokenizer, attrs["vocab_size"])
-    rope = tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-    layer_types = ["sliding_attention" if i in cfg.swa_layers else "full_attention" for i in range(cfg.num_layers)]
-    return DrafterConfig(
-        hidden_size=H, intermediate_size=tc.get("intermediate_size", 4 * H), num_layers=cfg.num_layers,
-        num_heads=heads, num_kv_heads=tc.get("num_key_value_heads") or heads,
-        head_dim=tc.get("head_dim") or H // heads, vocab_size=attrs["vocab_size"], block_size=cfg.block_size,
-        mask_token_id=mask_id, target_layer_ids=layer_ids, num_target_layers=attrs["num_layers"],
-        rms_norm_eps=attrs.get("rms_norm_eps") or tc.get("rms_norm_eps") or 1e-6, rope_theta=float(rope),
-        max_position_embeddings=tc.get("max_position_embeddings", 32768), layer_types=layer_types,
-        sliding_window=cfg.sliding_window,
-    )
+from dflash_pipeline.train.loader import StreamingLoader
+from dflash_pipeline.train.plan import LoaderState, store_fingerprint
+from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
+from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
+from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
+                                           render_train_line)
+from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
+from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, step_generator
 
 
-def pick_mask_token(configured: int | None, tokenizer, embedding_rows: int) -> int:
-    """The method's rule (config, tokenizer's mask token, first free embedding row); for targets
-    whose vocabulary fills the table (SmolLM2), a special token that the chat template never emits."""
-    try:
-        return choose_mask_token_id(configured, tokenizer, embedding_rows)
-    except ValueError as e:
-        template = str(tokenizer.chat_template or "")
-        used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-        added = sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
-        for tid, tok in reversed(added):
-            if tok.special and tok.content not in template and tid not in used and 0 <= tid < embedding_rows:
-                return int(tid)
-        raise DFlashError(f"{e}; pass --mask-token-id") from None
-
-
-def check_store_fits(cfg: TrainConfig, reader: StoreReader) -> None:
-    """Refuse, before training starts, a store without what the config needs."""
-    if reader.meta.layer_convention != LAYER_CONVENTION:
-        # Tools disagree by one on what "layer k" means; features of the wrong layers train a drafter
-        # that looks fine and fails at serving time.
-        raise DFlashError(f"{cfg.store}: layer ids use the convention '{reader.meta.layer_convention}', this "
-                          f"trainer and the DFlash export use '{LAYER_CONVENTION}' (HF hidden_states[k+1])")
-    if cfg.kl_weight > 0 and reader.meta.topk == 0:
-        raise DFlashError(f"{cfg.store}: --kl-weight needs the teacher's top-k, and this store has none "
-                          "(extracted with --topk 0)")
-    if not reader.kv.exists("target/zarr.json"):
-        raise DFlashError(f"{cfg.store}: the store has no target/ tensors (frozen embedding and LM head); "
-                          "it was not written by a complete `dflash extract`")
-    if reader.num_samples == 0:
-        raise DFlashError(f"{cfg.store}: the store has no committed samples")
-
-
-def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype) -> Frozen:
-    embed = reader.target_tensor("embed").to(device=device, dtype=dtype)
-    head = reader.target_tensor("lm_head").to(device=device, dtype=dtype) if reader.has_target_tensor("lm_head") else embed
-    attrs = reader.target_config()
-    return Frozen(embed, head, float(attrs.get("embedding_scale") or 1.0))
-
-
-class _StopFlag:
-    """`requested` by a signal on this rank; `set` once every rank agrees to stop after this step."""
-
-    def __init__(self):
-        self.requested = False
-        self.set = False
-        self.signal = None
-
-    def __call__(self, signum, frame):
-        self.requested = True
-        self.signal = signum
-
-
-def _lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    warm = int(cfg.warmup_ratio * total)
+def lr_at(optim: OptimConfig, step: int, total: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    warm = int(optim.warmup_ratio * total)
     if step < warm:
-        return cfg.lr * (step + 1) / warm
+        return optim.lr * (step + 1) / warm
     progress = (step - warm) / max(1, total - warm)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine)
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
-    """Entry point of `dflash train`. Returns the final summary (on rank 0)."""
-    launched = env_rank()
-    if launched is not None:
-        kind = "cpu" if (cfg.device == "cpu" or visible_gpus() == 0) else "cuda"
-        return train_rank(cfg, *launched, kind)
-    gpus = visible_gpus()
-    if cfg.device == "cpu" or (cfg.device == "auto" and gpus == 0):
-        kind, n = "cpu", cfg.num_procs or 1
-    else:
-        if gpus == 0:
-            raise DFlashError("--device cuda asked for, but no GPU is visible")
-        kind, n = "cuda", gpus if cfg.gpus == "all" else int(cfg.gpus)
-        if n > gpus:
-            raise DFlashError(f"--gpus {n}: only {gpus} GPUs are visible")
-    check_store_fits(cfg, StoreReader(cfg.store))   # user errors before any process starts
-    if n == 1:
-        return train_rank(cfg, 0, 1, 0, kind)
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_spawn_entry, args=(cfg, n, kind, port, results), nprocs=n, join=True, start_method="spawn")
-    out: dict[str, Any] = {}
-    while not results.empty():
-        rank, res = results.get()
-        if rank == 0:
-            out = res
-    return out
+    """Entry point of `dflash train`. Returns the final summary (of rank 0)."""
+    proc = launched(cfg.runtime.device)
+    if proc is not None:
+        return train_rank(proc, cfg)
+    kind, nprocs = plan_processes(cfg.runtime.device, cfg.runtime.gpus, cfg.runtime.num_procs)
+    check_store_fits(cfg, StoreReader(cfg.data.store))   # user errors before any process starts
+    return launch(train_rank, (cfg,), nprocs=nprocs, kind=kind)[0]
 
 
-def _spawn_entry(rank: int, cfg: TrainConfig, world: int, kind: str, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    results.put((rank, train_rank(cfg, rank, world, rank, kind)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_rank(cfg: TrainConfig, rank: int, world: int, local_rank: int, kind: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    if kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    owns_group = world > 1 and not dist.is_initialized()
-    if owns_group:
-        if kind == "cuda":
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    line = LiveLine(enabled=rank == 0 and not cfg.quiet)
-    run_dir = Path(cfg.out)
-    reader = StoreReader(cfg.store)
-    check_store_fits(cfg, reader)
-    line.say(f"opening store {cfg.store}: {reader.num_samples:,} samples, {reader.num_tokens:,} tokens, "
-             f"layers {reader.meta.layer_ids}, codec {reader.meta.codec}")
-    dcfg = drafter_config_for(cfg, reader)
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
-    compute_dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-    frozen = frozen_tensors(reader, device, compute_dtype)
-    torch.manual_seed(cfg.seed)
-    model = DFlashDrafter(dcfg)
-    model.checkpoint_layers = dcfg.num_layers if cfg.activation_checkpointing else min(cfg.checkpoint_layers,
-                                                                                        dcfg.num_layers)
-    init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
-    model.compile_kernels = None if cfg.compile else False
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, {n_params / 1e6:.1f}M trainable "
-             f"parameters; block {dcfg.block_size}, features from target layers {dcfg.target_layer_ids}, "
-             f"mask token {dcfg.mask_token_id}; {world} process(es) on {kind}")
-    if kind == "cuda":
-        line.say("the first step compiles FlexAttention" + (" and the fused kernels" if cfg.compile else "")
-                 + " (about a minute, once per process; cached on disk for later runs)")
-    # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy into them each step,
-    # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if kind == "cuda" else None,
-                                                    gradient_as_bucket_view=True,
-                                                    bucket_cap_mb=cfg.ddp_bucket_mb) if world > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=kind == "cuda")
-    loader = StreamingLoader(reader, layers=dcfg.target_layer_ids, rank=rank, world=world, seed=cfg.seed,
-                             row_len=cfg.max_length, rows_per_batch=cfg.rows_per_batch,
-                             eval_fraction=cfg.eval_fraction, num_workers=cfg.num_workers, device=device,
-                             strict=cfg.strict)
-    per_epoch = loader.steps_per_epoch() // cfg.grad_accum
-    if per_epoch == 0:
-        raise DFlashError(f"{cfg.store}: too little data for one step per rank ({loader.epoch_plan(0).rows_per_rank} "
-                          f"rows of {cfg.max_length} tokens per rank; a step takes {cfg.rows_per_batch * cfg.grad_accum})")
-    total = cfg.steps if cfg.steps is not None else max(1, round(cfg.epochs * per_epoch))
-    ema = {k: v.detach().clone().float() for k, v in model.state_dict().items()} if cfg.ema else None
-    store_fp = store_fingerprint(reader)
-
-    step, epoch, batch_in_epoch = 0, 0, 0
-    if cfg.resume:
-        ckpt_path = latest_checkpoint(run_dir)
-        if ckpt_path is None:
-            raise DFlashError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        ck = load_checkpoint(ckpt_path, map_location=device)
-        ts = ck["trainer_state"]
-        check_resume(ts, cfg, store_fp)
-        LoaderState(**ts["loader"]).check_compatible(loader.state(0, 0))
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        if ema is not None and ck["ema"] is not None:
-            ema = {k: v.to(device) for k, v in ck["ema"].items()}
-        step, epoch, batch_in_epoch = ts["step"], ts["loader"]["epoch"], ts["loader"]["batch"]
-        line.say(f"resumed from {ckpt_path} at step {step}")
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({
-            "train": cfg.to_dict(), "drafter": dcfg.to_dict(), "gamma": gamma, "world_size": world,
-            "steps_total": total, "steps_per_epoch": per_epoch, "store": {"url": cfg.store, "fingerprint": store_fp,
-            "meta": reader.meta.to_dict()}, "tool_version": __version__}, indent=1))
-    metrics = JsonlLog(run_dir / "metrics.jsonl") if rank == 0 else None
-    trackers = _Trackers(cfg, run_dir) if rank == 0 else None
-
-    stop = _StopFlag()
-    old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} \
-        if _in_main_thread() else {}
-
-    def trainer_state() -> dict[str, Any]:
-        return {"step": step, "config": cfg.to_dict(), "drafter": dcfg.to_dict(), "store_fingerprint": store_fp,
-                "loader": loader.state(epoch, batch_in_epoch).to_dict(), "world_size": world, "gamma": gamma,
-                "time": time.time()}
-
-    def save() -> Path | None:
-        if rank != 0:
-            return None
-        return save_checkpoint(run_dir, step, model_state=model.state_dict(), optim_state=opt.state_dict(),
-                               ema_state=ema, trainer_state=trainer_state(), keep=cfg.keep_checkpoints)
-
-    def run_eval() -> dict[str, Any]:
-        return _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device, autocast, step,
-                        metrics, trackers, line)
-
-    acc = _Accum(device, dcfg)
-    t_run, started_step, t_log = time.time(), step, time.time()
-    loader.data_wait = 0.0
-    first_log = True
-    steps_this_run = 0
-    autocast = kind == "cuda"
-    eval_rows = loader.eval_rows()[: cfg.eval_max_samples]
-    last_eval: dict[str, Any] = {}
-    model.train()
-    # One stream of batches across epochs (the loader's prefetch never drains at an epoch boundary),
-    # grouped into steps of --grad-accum batches of one epoch.
-    groups = _epoch_groups(loader.iter_from(epoch, batch_in_epoch), cfg.grad_accum)
-    try:
-        for (epoch, last, in_epoch), batch in (groups if step < total else ()):
-            opt.zero_grad(set_to_none=True)
-            g_anchors = step_generator(cfg.seed, rank, step)
-            g = step_generator(cfg.seed, rank, step, device, NOISE_STREAM)
-            for i, b in enumerate(batch):
-                anchors = draw_anchors(b, cfg.max_anchors, g_anchors, cfg.block_size)
-                ctx = ddp.no_sync() if (world > 1 and i < len(batch) - 1) else contextlib.nullcontext()
-                with ctx:
-                    out = run_blocks(ddp, frozen, b, anchors, block_size=cfg.block_size,
-                                     mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.kl_weight,
-                                     cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise,
-                                     loss_chunk=cfg.loss_chunk, g=g, autocast=autocast)
-                    (out.loss / len(batch)).backward()
-                acc.add(out, b.tokens.numel())
-            lr = _lr_at(cfg, step, total)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            opt.step()
-            if ema is not None:
-                with torch.no_grad():
-                    for k, v in model.state_dict().items():
-                        ema[k].mul_(cfg.ema).add_(v.float(), alpha=1 - cfg.ema)
-            step += 1
-            steps_this_run += 1
-            batch_in_epoch = last + 1
-            epoch_done = batch_in_epoch + cfg.grad_accum > in_epoch  # no further full step this epoch
-            acc.grad_norm = acc.grad_norm + gnorm.detach().double()
-            acc.steps += 1
-            if world == 1:
-                stop.set = stop.requested
-            elif step % 10 == 0 or step == total:
-                # Ranks agree on a signal every 10 steps (the same steps everywhere), not every step:
-                # each agreement is a host sync.
-                flag = torch.tensor([float(stop.requested)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop.set = bool(flag.item())
-            if cfg.stop_after is not None and steps_this_run >= cfg.stop_after:
-                stop.set = True
-            if step % cfg.log_every == 0 or step == total or stop.set:
-                rec = acc.reduce(world, dist if world > 1 else None)
-                now = time.time()
-                rec.update(step=step, epoch=epoch + batch_in_epoch / max(1, in_epoch), lr=lr,
-                           data_wait_frac=loader.data_wait / max(
-                               now - t_log - (loader.startup_wait if first_log else 0.0), 1e-9),
-                           peak_mem_gb=torch.cuda.max_memory_allocated(device) / 2 ** 30 if kind == "cuda" else None,
-                           eta_s=(total - step) * (now - t_run) / max(1, step - started_step),
-                           corrupt_segments_skipped=len(loader.corrupt))
-                if first_log:  # the wait for the first batch (workers starting) is not data wait
-                    rec["data_startup_s"], first_log = loader.startup_wait, False
-                rec["mfu"] = rec.pop("flops_per_s") / (PEAK_BF16_FLOPS * world) if kind == "cuda" else None
-                loader.data_wait, t_log = 0.0, now
-                acc.clear()
-                if rank == 0:
-                    metrics.write({"type": "train", **rec})
-                    trackers.log(rec, step)
-                    line.update(_render(rec, total), force=True)
-            elif rank == 0:
-                # Between logged steps: a line with no device sync (on a terminal every step, in a
-                # log every 30 s), so a slow first interval never looks like a hang.
-                el = time.time() - t_run
-                line.update(f"step {step:,}/{total:,}  {el:.0f}s  data wait {loader.data_wait:.1f}s  "
-                            f"ETA {fmt_duration((total - step) * el / max(1, step - started_step))}")
-            if cfg.eval_every and step % cfg.eval_every == 0 and len(eval_rows):
-                last_eval = run_eval()
-            if cfg.save_every and step % cfg.save_every == 0 and not stop.set:
-                save()
-            if epoch_done:
-                epoch, batch_in_epoch = epoch + 1, 0
-                if not cfg.eval_every and len(eval_rows) and step < total:
-                    last_eval = run_eval()
-            if step >= total or stop.set:
-                break
-    finally:
-        groups.close()  # stops the loader's prefetch thread now
-        loader.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-    ckpt = save()
-    finished = step >= total
-    summary: dict[str, Any] = {"step": step, "steps_total": total, "finished": finished, "checkpoint": str(ckpt),
-                               "seconds": time.time() - t_run, "corrupt_segments_skipped": loader.corrupt}
-    if finished:
-        if not last_eval.get("step") == step and len(eval_rows):
-            last_eval = run_eval()
-        summary["eval"] = last_eval
-        if rank == 0:
-            from dflash_pipeline.train.export import export_drafter
-
-            final = export_drafter(ema or model.state_dict(), dcfg, run_dir / "final", extra={"dflash_pipeline": {
-                "store_fingerprint": store_fp, "step": step, "ema": cfg.ema, "eval": last_eval,
-                "tool_version": __version__}})
-            summary["final"] = str(final)
-    if rank == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        metrics.close()
-        trackers.close()
-        if finished:
-            line.done(f"trained {step} steps in {fmt_duration(summary['seconds'])}; drafter exported to {summary['final']}"
-                      + (f"; held-out acceptance estimate tau {last_eval.get('tau_chain', 0):.2f}" if last_eval else ""))
-        else:
-            why = f"signal {stop.signal}" if stop.signal else f"--stop-after {cfg.stop_after}"
-            line.done(f"stopped at step {step}/{total} ({why}); checkpoint {ckpt}; continue with --resume")
-    if world > 1:
-        dist.barrier()
-    if owns_group:  # torchrun / accelerate may own the group; a group we made we also end (no exit warnings)
-        dist.destroy_process_group()
+def train_rank(proc: Proc, cfg: TrainConfig) -> dict[str, Any]:
+    """One training process: its device, the process group when there are several, the run."""
+    device = bind_device(proc)
+    cuda = proc.kind == "cuda"
+    with process_group("nccl" if cuda else "gloo", device if cuda else None) if proc.world > 1 \
+            else contextlib.nullcontext():
+        trainer = Trainer(cfg, proc, device)
+        if cfg.output.resume:
+            trainer.resume()
+        summary = trainer.train()
+        if proc.world > 1:
+            dist.barrier()
     return summary
 
 
-def _do_eval(model, frozen, reader, eval_rows, dcfg, cfg, gamma, rank, world, device, autocast, step,
-             metrics, trackers, line) -> dict[str, Any]:
-    model.eval()
-    res = evaluate(model, frozen, reader, eval_rows[rank::world], dcfg, gamma=gamma, device=device,
-                   autocast=autocast, max_anchors=cfg.max_anchors, loss_chunk=cfg.loss_chunk, world=world)
-    model.train()
-    res["step"] = step
-    if rank == 0:
-        metrics.write({"type": "eval", **res})
-        trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, step)
-        line.say(f"eval @ step {step}: loss {res['loss']:.3f} acc {res['acc']:.3f} "
-                 f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f} ({res['samples']} samples)")
-    return res
+class Trainer:
+    """One rank's training run: built from the config and the store, resumed, then `train()`.
 
+    State that a checkpoint carries: the weights, the optimizer, the EMA, `step`, and the loader's
+    place (`epoch`, `batch_in_epoch`); everything else is rebuilt from the config and the store.
+    """
 
-class _Accum:
-    """Sums over a logging interval, kept on the device (no host sync per step), reduced over ranks
-    when logged. Slots of `v`: loss, ce, kl, cap, streak sum, blocks, labelled slots, then correct and
-    labelled counts per block slot; the counts known on the host (tokens, attention pairs) beside it."""
+    def __init__(self, cfg: TrainConfig, proc: Proc, device: torch.device):
+        self.cfg, self.proc, self.device = cfg, proc, device
+        self.dist = dist if proc.world > 1 else None   # collectives only with several ranks
+        self.line = LiveLine(enabled=proc.is_main and not cfg.output.quiet)
+        self.run_dir = Path(cfg.output.out)
+        self.reader = StoreReader(cfg.data.store)
+        check_store_fits(cfg, self.reader)
+        r = self.reader
+        self.line.say(f"opening store {cfg.data.store}: {r.num_samples:,} samples, {r.num_tokens:,} tokens, "
+                      f"layers {r.meta.layer_ids}, codec {r.meta.codec}")
+        self.dcfg = drafter_config_for(cfg.model, self.reader)
+        self.gamma = cfg.loss.gamma if cfg.loss.gamma is not None else default_gamma(cfg.model.block_size)
+        self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
+        self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
+        self.model, self.ddp = self._build_model()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.optim.weight_decay, fused=proc.kind == "cuda")
+        data = cfg.data
+        self.loader = StreamingLoader(r, layers=self.dcfg.target_layer_ids, rank=proc.rank, world=proc.world,
+                                      seed=cfg.seed, row_len=data.max_length, rows_per_batch=data.rows_per_batch,
+                                      eval_fraction=data.eval_fraction, num_workers=cfg.runtime.num_workers,
+                                      device=device, strict=cfg.runtime.strict)
+        self.per_epoch, self.total = self._schedule_length()
+        self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()} \
+            if cfg.optim.ema else None
+        self.store_fp = store_fingerprint(self.reader)
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.stop = StopRequest()
+        self.last_eval: dict[str, Any] = {}
+        self.lr, self.in_epoch, self.steps_this_run = 0.0, 1, 0
+        self.records: JsonlLog | None = None    # rank 0's metrics.jsonl and trackers, from `train()`
+        self.trackers: Trackers | None = None
 
-    def __init__(self, device, dcfg):
-        self.device, self.dcfg, self.B = device, dcfg, dcfg.block_size
-        self.clear()
+    def _build_model(self):
+        """The drafter (initialised from the seed) and what steps run through: DDP with several ranks."""
+        cfg, dcfg, proc, rt = self.cfg, self.dcfg, self.proc, self.cfg.runtime
+        torch.manual_seed(cfg.seed)
+        checkpointed = dcfg.num_layers if rt.activation_checkpointing else min(rt.checkpoint_layers, dcfg.num_layers)
+        model = DFlashDrafter(dcfg, DrafterOptions(checkpoint_layers=checkpointed,
+                                                   compile_kernels=None if rt.compile else False))
+        init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
+        model.to(self.device)
+        self.line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, "
+                      f"{model.num_parameters() / 1e6:.1f}M trainable parameters; block {dcfg.block_size}, features "
+                      f"from target layers {dcfg.target_layer_ids}, mask token {dcfg.mask_token_id}; "
+                      f"{proc.world} process(es) on {proc.kind}")
+        if proc.kind == "cuda":
+            self.line.say("the first step compiles FlexAttention" + (" and the fused kernels" if rt.compile else "")
+                          + " (about a minute, once per process; cached on disk for later runs)")
+        if proc.world == 1:
+            return model, model
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy into them each step,
+        # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[proc.local_rank] if proc.kind == "cuda" else None, gradient_as_bucket_view=True,
+            bucket_cap_mb=rt.ddp_bucket_mb)
+        return model, ddp
 
-    def clear(self):
-        self.t0 = time.time()
-        self.v = torch.zeros(7 + 2 * self.B, dtype=torch.float64, device=self.device)
-        self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.steps = self.micro = 0
-        self.input_tokens = self.block_tokens = self.context_tokens = 0
-        self.attn_pairs = 0.0
+    def _schedule_length(self) -> tuple[int, int]:
+        """(optimizer steps per epoch, steps in the whole run)."""
+        data, optim = self.cfg.data, self.cfg.optim
+        per_epoch = self.loader.steps_per_epoch() // optim.grad_accum
+        if per_epoch == 0:
+            rows = self.loader.epoch_plan(0).rows_per_rank
+            raise DFlashError(f"{data.store}: too little data for one step per rank ({rows} rows of {data.max_length} "
+                              f"tokens per rank; a step takes {data.rows_per_batch * optim.grad_accum})")
+        return per_epoch, optim.steps if optim.steps is not None else max(1, round(optim.epochs * per_epoch))
 
-    def add(self, out, context_tokens: int):
-        B = self.B
-        self.v[:7] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
-                                   out.streak_sum.double(), out.blocks.double(), out.count_B.sum().double()])
-        self.v[7:7 + B] += out.correct_B.double()
-        self.v[7 + B:] += out.count_B.double()
-        self.attn_pairs += out.attn_pairs
-        self.input_tokens += out.input_tokens
-        self.block_tokens += out.block_tokens
-        self.context_tokens += context_tokens
-        self.micro += 1
+    # -- resume and save ---------------------------------------------------------------------------------
 
-    def reduce(self, world, dist) -> dict[str, Any]:
-        ints = torch.tensor([self.input_tokens, self.block_tokens, self.context_tokens, self.attn_pairs],
-                            dtype=torch.float64, device=self.device)
-        v = torch.cat([self.v, ints, self.grad_norm.view(1)])
-        if dist is not None:
-            dist.all_reduce(v)
-        v = v.cpu()
-        dt = max(time.time() - self.t0, 1e-9)
-        micro = max(self.micro, 1) * world
-        B = self.B
-        correct, count = v[7:7 + B], v[7 + B:7 + 2 * B]
-        input_tokens, block_tokens, context_tokens, attn_pairs, grad_norm = (float(x) for x in v[7 + 2 * B:])
-        flops = flops_from_totals(self.dcfg, block_tokens=block_tokens, context_tokens=context_tokens,
-                                  attn_pairs=attn_pairs, labelled=float(v[6]))
-        return {"loss": float(v[0] / micro), "ce": float(v[1] / micro), "kl": float(v[2] / micro),
-                "cap": float(v[3] / micro), "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
-                "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
-                "streak": float(v[4] / v[5].clamp_min(1)), "grad_norm": grad_norm / max(self.steps * world, 1),
-                "input_tok_s": input_tokens / dt, "block_tok_s": block_tokens / dt, "flops_per_s": flops / dt}
+    def resume(self) -> None:
+        """Continue from the run directory's latest checkpoint, exactly where it stopped."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise DFlashError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
+        ck = load_checkpoint(path, map_location=self.device)
+        ts = ck["trainer_state"]
+        check_resume(ts, self.cfg, self.store_fp)
+        LoaderState(**ts["loader"]).check_compatible(self.loader.state(0, 0))
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["optimizer"])
+        if self.ema is not None and ck["ema"] is not None:
+            self.ema = {k: v.to(self.device) for k, v in ck["ema"].items()}
+        self.step, self.epoch, self.batch_in_epoch = ts["step"], ts["loader"]["epoch"], ts["loader"]["batch"]
+        self.line.say(f"resumed from {path} at step {self.step}")
 
+    def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint records besides the tensors: where the run is, and what it was run with."""
+        return {"step": self.step, "config": self.cfg.to_dict(), "drafter": self.dcfg.to_dict(),
+                "store_fingerprint": self.store_fp,
+                "loader": self.loader.state(self.epoch, self.batch_in_epoch).to_dict(),
+                "world_size": self.proc.world, "gamma": self.gamma, "time": time.time()}
 
-def _render(rec: dict[str, Any], total: int) -> str:
-    mfu = f" MFU {rec['mfu']:.0%}" if rec.get("mfu") is not None else ""
-    mem = f" mem {rec['peak_mem_gb']:.1f}G" if rec.get("peak_mem_gb") is not None else ""
-    parts = f"ce {rec['ce']:.3f}" + (f" kl {rec['kl']:.3f}" if rec["kl"] else "") + (f" cap {rec['cap']:.3f}" if rec["cap"] else "")
-    return (f"step {rec['step']}/{total} ep {rec['epoch']:.2f} | loss {rec['loss']:.3f} ({parts}) acc {rec['acc']:.3f} "
-            f"streak {rec['streak']:.2f} | lr {rec['lr']:.2e} gn {rec['grad_norm']:.2f} | "
-            f"{fmt_count(rec['input_tok_s'])} tok/s {fmt_count(rec['block_tok_s'])} blk/s{mfu} | "
-            f"data-wait {rec['data_wait_frac']:.1%}{mem} | ETA {fmt_duration(rec['eta_s'])}")
+    def save(self) -> Path | None:
+        """A checkpoint of this step (written by rank 0; every rank holds the same weights)."""
+        if not self.proc.is_main:
+            return None
+        return save_checkpoint(self.run_dir, self.step, model_state=self.model.state_dict(),
+                               optim_state=self.opt.state_dict(), ema_state=self.ema,
+                               trainer_state=self.trainer_state(), keep=self.cfg.output.keep_checkpoints)
 
+    # -- the loop ----------------------------------------------------------------------------------------
 
-class _Trackers:
-    """Optional wandb / tensorboard mirrors of metrics.jsonl."""
+    def train(self) -> dict[str, Any]:
+        """Step until the last step, a signal or --stop-after; log, evaluate and save on the way."""
+        cfg = self.cfg
+        self._start()
+        with stop_signals(self.stop), self._steps() as steps:
+            for place, batches in steps:
+                self.train_step(place, batches)
+                if self._due(cfg.output.log_every) or self.step == self.total or self.stop.set:
+                    self.log()
+                else:
+                    self._show_progress()
+                if self._due(cfg.output.eval_every) and len(self.eval_rows):
+                    self.evaluate()
+                if self._due(cfg.output.save_every) and not self.stop.set:
+                    self.save()
+                if self.batch_in_epoch + cfg.optim.grad_accum > self.in_epoch:  # no further full step this epoch
+                    self._next_epoch()
+                if self.step >= self.total or self.stop.set:
+                    break
+        return self._finish()
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path):
-        self.wandb = self.tb = None
-        if cfg.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise DFlashError("--wandb needs the wandb package: pip install wandb") from None
-            self.wandb = wandb.init(project=cfg.wandb, dir=str(run_dir), config=cfg.to_dict())
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise DFlashError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+    def _due(self, every: int) -> bool:
+        """Every `every` steps (never when 0)."""
+        return bool(every) and self.step % every == 0
 
-    def log(self, rec: dict[str, Any], step: int) -> None:
-        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and v is not None}
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
+    def train_step(self, place: tuple[int, int, int], batches: list) -> None:
+        """One optimizer step over --grad-accum batches, then the ranks agree whether to stop.
 
-    def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.tb is not None:
-            self.tb.close()
+        place: (epoch, index of the last batch, batches in the epoch). Anchors and feature noise are
+        drawn from (seed, rank, step), so a resumed run replays them.
+        """
+        cfg, loss, optim, world = self.cfg, self.cfg.loss, self.cfg.optim, self.proc.world
+        self.epoch, last, self.in_epoch = place
+        self.opt.zero_grad(set_to_none=True)
+        g_anchors = step_generator(cfg.seed, self.proc.rank, self.step)
+        g_noise = step_generator(cfg.seed, self.proc.rank, self.step, self.device, NOISE_STREAM)
+        for i, b in enumerate(batches):
+            anchors = draw_anchors(b, loss.max_anchors, g_anchors, cfg.model.block_size)
+            sync = world == 1 or i == len(batches) - 1   # gradients are all-reduced once, with the last
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                out = run_blocks(self.ddp, self.frozen, b, anchors, block_size=cfg.model.block_size,
+                                 mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma, kl_weight=loss.kl_weight,
+                                 cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
+                                 loss_chunk=cfg.runtime.loss_chunk, g=g_noise, autocast=self.autocast)
+                (out.loss / len(batches)).backward()
+            self.metrics.add(out, b.tokens.numel())
+        self.lr = lr_at(optim, self.step, self.total)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                               optim.grad_clip if optim.grad_clip > 0 else float("inf"))
+        self.opt.step()
+        if self.ema is not None:
+            with torch.no_grad():
+                for k, v in self.model.state_dict().items():
+                    self.ema[k].mul_(optim.ema).add_(v.float(), alpha=1 - optim.ema)
+        self.step += 1
+        self.steps_this_run += 1
+        self.batch_in_epoch = last + 1
+        self.metrics.add_step(gnorm)
+        self._agree_on_stop()
+
+    def _agree_on_stop(self) -> None:
+        stop = self.stop
+        if self.dist is None:
+            stop.set = stop.requested
+        elif self.step % 10 == 0 or self.step == self.total:
+            # Ranks agree on a signal every 10 steps (the same steps everywhere), not every step: each
+            # agreement is a host sync.
+            flag = torch.tensor([float(stop.requested)], device=self.device)
+            self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
+            stop.set = bool(flag.item())
+        if self.cfg.output.stop_after is not None and self.steps_this_run >= self.cfg.output.stop_after:
+            stop.set = True
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        if not self.cfg.output.eval_every and len(self.eval_rows) and self.step < self.total:
+            self.evaluate()
+
+    # -- logging and evaluation --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """config.json and the metric sinks (rank 0), the timers, then the model in training mode."""
+        cfg, proc = self.cfg, self.proc
+        if proc.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps({
+                "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "world_size": proc.world,
+                "steps_total": self.total, "steps_per_epoch": self.per_epoch,
+                "store": {"url": cfg.data.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
+                "tool_version": __version__}, indent=1))
+            self.records = JsonlLog(self.run_dir / "metrics.jsonl")
+            self.trackers = Trackers(self.run_dir, wandb_project=cfg.output.wandb,
+                                     tensorboard=cfg.output.tensorboard, config=cfg.to_dict())
+        self.metrics = IntervalMetrics(self.device, self.dcfg)
+        self.t_run, self.started_step, self.t_log = time.time(), self.step, time.time()
+        self.loader.data_wait = 0.0
+        self.first_log = True
+        self.eval_rows = self.loader.eval_rows()[: cfg.output.eval_max_samples]
+        self.heldout = HeldoutSet(
+            reader=self.reader, rows=self.eval_rows[proc.rank::proc.world], frozen=self.frozen, drafter=self.dcfg,
+            gamma=self.gamma, max_anchors=cfg.loss.max_anchors, loss_chunk=cfg.runtime.loss_chunk,
+            device=self.device, autocast=self.autocast, world=proc.world)
+        self.model.train()
+
+    @contextlib.contextmanager
+    def _steps(self):
+        """The loader's one stream of batches across epochs (its prefetch never drains at an epoch
+        boundary), grouped into steps of --grad-accum batches of one epoch; closed with the loader."""
+        groups = _epoch_groups(self.loader.iter_from(self.epoch, self.batch_in_epoch), self.cfg.optim.grad_accum)
+        try:
+            yield groups if self.step < self.total else ()
+        finally:
+            groups.close()  # stops the loader's prefetch thread now
+            self.loader.close()
+
+    def log(self) -> None:
+        """Reduce the interval's sums over ranks and write them (a host sync: every --log-every steps)."""
+        rec = self.metrics.reduce(self.proc.world, self.dist)
+        loader, now, cuda = self.loader, time.time(), self.proc.kind == "cuda"
+        rec.update(step=self.step, epoch=self.epoch + self.batch_in_epoch / max(1, self.in_epoch), lr=self.lr,
+                   data_wait_frac=loader.data_wait / max(
+                       now - self.t_log - (loader.startup_wait if self.first_log else 0.0), 1e-9),
+                   peak_mem_gb=torch.cuda.max_memory_allocated(self.device) / 2 ** 30 if cuda else None,
+                   eta_s=(self.total - self.step) * (now - self.t_run) / max(1, self.step - self.started_step),
+                   corrupt_segments_skipped=len(loader.corrupt))
+        if self.first_log:  # the wait for the first batch (workers starting) is not data wait
+            rec["data_startup_s"], self.first_log = loader.startup_wait, False
+        rec["mfu"] = rec.pop("flops_per_s") / (PEAK_BF16_FLOPS * self.proc.world) if cuda else None
+        loader.data_wait, self.t_log = 0.0, now
+        self.metrics.clear()
+        if self.proc.is_main:
+            self.records.write({"type": "train", **rec})
+            self.trackers.log(rec, self.step)
+            self.line.update(render_train_line(rec, self.total), force=True)
+
+    def _show_progress(self) -> None:
+        # Between logged steps: a line with no device sync (on a terminal every step, in a log every
+        # 30 s), so a slow first interval never looks like a hang.
+        if self.proc.is_main:
+            el = time.time() - self.t_run
+            eta = (self.total - self.step) * el / max(1, self.step - self.started_step)
+            self.line.update(f"step {self.step:,}/{self.total:,}  {el:.0f}s  data wait {self.loader.data_wait:.1f}s  "
+                             f"ETA {fmt_duration(eta)}")
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out estimate (every rank its share of the held-out samples), logged by rank 0."""
+        self.model.eval()
+        res = heldout_estimate(self.model, self.heldout)
+        self.model.train()
+        res["step"] = self.step
+        if self.proc.is_main:
+            self.records.write({"type": "eval", **res})
+            self.trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, self.step)
+            self.line.say(render_eval_line(res))
+        self.last_eval = res
+        return res
+
+    def _finish(self) -> dict[str, Any]:
+        """The last checkpoint; when the run is complete, a last evaluation and the exported drafter."""
+        ckpt = self.save()
+        finished = self.step >= self.total
+        summary: dict[str, Any] = {"step": self.step, "steps_total": self.total, "finished": finished,
+                                   "checkpoint": str(ckpt), "seconds": time.time() - self.t_run,
+                                   "corrupt_segments_skipped": self.loader.corrupt}
+        if finished:
+            if not self.last_eval.get("step") == self.step and len(self.eval_rows):
+                self.evaluate()
+            summary["eval"] = self.last_eval
+            if self.proc.is_main:
+                summary["final"] = str(self._export())
+        if self.proc.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+            self.records.close()
+            self.trackers.close()
+            self.line.done(self._final_words(summary, ckpt))
+        return summary
+
+    def _export(self) -> Path:
+        from dflash_pipeline.train.export import export_drafter
+
+        return export_drafter(self.ema or self.model.state_dict(), self.dcfg, self.run_dir / "final", extra={
+            "dflash_pipeline": {"store_fingerprint": self.store_fp, "step": self.step, "ema": self.cfg.optim.ema,
+                                "eval": self.last_eval, "tool_version": __version__}})
+
+    def _final_words(self, summary: dict[str, Any], ckpt: Path | None) -> str:
+        if summary["finished"]:
+            tau = self.last_eval.get("tau_chain", 0)
+            return (f"trained {self.step} steps in {fmt_duration(summary['seconds'])}; drafter exported to "
+                    f"{summary['final']}" + (f"; held-out acceptance estimate tau {tau:.2f}" if self.last_eval else ""))
+        why = f"signal {self.stop.signal}" if self.stop.signal else f"--stop-after {self.cfg.output.stop_after}"
+        return f"stopped at step {self.step}/{self.total} ({why}); checkpoint {ckpt}; continue with --resume"
 
 
 def _epoch_groups(stream, n: int):
@@ -516,9 +398,3 @@ def _epoch_groups(stream, n: int):
                 group = []
     finally:
         stream.close()
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()

@@ -1,22 +1,42 @@
-"""Held-out evaluation during training, including the greedy-chain estimate of acceptance length.
+"""The held-out estimate during training, including the greedy-chain estimate of acceptance length.
 
-Random-anchor averages overestimate real decoding. Here every anchorable position of a held-out
-sample is drafted once (visibility depends on absolute positions only, so all anchors can share one
-forward pass), giving run(p): how many slots from slot 1 the drafter gets right from anchor p. Walking
-p <- p + run(p) + 1 from the first supervised position reproduces greedy speculative decoding on that
-sequence; tokens committed per step (bonus included) averaged over the walk is `tau_chain`.
+Not a real decode (that is `dflash eval`, which runs the target): an estimate from the store's held-out
+samples, cheap enough to run every epoch. Random-anchor averages overestimate real decoding. Here every
+anchorable position of a held-out sample is drafted once (visibility depends on absolute positions
+only, so all anchors can share one forward pass), giving run(p): how many slots from slot 1 the drafter
+gets right from anchor p. Walking p <- p + run(p) + 1 from the first supervised position reproduces
+greedy speculative decoding on that sequence; tokens committed per step (bonus included) averaged over
+the walk is `tau_chain`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from dflash_pipeline.train.blocks import anchor_candidates
-from dflash_pipeline.train.data import Batch
-from dflash_pipeline.train.step import run_blocks
+from dflash_pipeline.train.batch import Batch
+from dflash_pipeline.train.model import DrafterConfig
+from dflash_pipeline.train.step import Frozen, run_blocks
+
+
+@dataclass
+class HeldoutSet:
+    """The held-out samples of this rank and how to run the drafter on them (as training steps do)."""
+
+    reader: Any                 # the StoreReader of the training store
+    rows: np.ndarray            # this rank's held-out sample rows
+    frozen: Frozen
+    drafter: DrafterConfig
+    gamma: float
+    max_anchors: int            # anchors per forward pass
+    loss_chunk: int
+    device: torch.device
+    autocast: bool
+    world: int = 1              # ranks whose sums are added together (all-reduce) before the ratios
 
 
 def chain_walk(runs: np.ndarray, candidates: np.ndarray) -> tuple[int, int]:
@@ -41,13 +61,15 @@ def chain_walk(runs: np.ndarray, candidates: np.ndarray) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(model, frozen, reader, rows, dcfg, *, gamma: float, device: torch.device, autocast: bool,
-             max_anchors: int, loss_chunk: int, world: int = 1) -> dict[str, Any]:
+def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
+    """Loss, accuracy, the random-anchor streak and `tau_chain` over the held-out samples, summed over
+    `held.world` ranks (every rank must call it). The model runs as it is (call `.eval()` first)."""
+    dcfg, device, max_anchors = held.drafter, held.device, held.max_anchors
     B = dcfg.block_size
     # sums: ce*labels, labels, streak, blocks, chain steps, chain committed, samples
     v = torch.zeros(7 + 2 * B, dtype=torch.float64, device=device)
-    for row in rows:
-        s = reader.read_sample(int(row), layers=dcfg.target_layer_ids)
+    for row in held.rows:
+        s = held.reader.read_sample(int(row), layers=dcfg.target_layer_ids)
         T = len(s.tokens_T)
         mask = torch.from_numpy(s.loss_mask_T)[None]
         doc = torch.zeros((1, T), dtype=torch.long)
@@ -60,9 +82,9 @@ def evaluate(model, frozen, reader, rows, dcfg, *, gamma: float, device: torch.d
         runs = np.full(T, -1, dtype=np.int64)
         for a in range(0, len(idx), max_anchors):
             anchors = idx[a:a + max_anchors][None]
-            out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=dcfg.mask_token_id,
-                             gamma=gamma, kl_weight=0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=loss_chunk,
-                             g=None, autocast=autocast)
+            out = run_blocks(model, held.frozen, batch, anchors, block_size=B, mask_token_id=dcfg.mask_token_id,
+                             gamma=held.gamma, kl_weight=0.0, cap_weight=0.0, feature_noise=0.0,
+                             loss_chunk=held.loss_chunk, g=None, autocast=held.autocast)
             n_lab = out.count_B.sum().double()
             v[0] += out.ce.double() * n_lab
             v[1] += n_lab
@@ -75,7 +97,7 @@ def evaluate(model, frozen, reader, rows, dcfg, *, gamma: float, device: torch.d
         v[4] += steps
         v[5] += committed
         v[6] += 1
-    if world > 1:
+    if held.world > 1:
         import torch.distributed as dist
 
         dist.all_reduce(v)
@@ -89,3 +111,6 @@ def evaluate(model, frozen, reader, rows, dcfg, *, gamma: float, device: torch.d
         "samples": int(v[6]),
         "blocks": int(v[3]),
     }
+
+
+__all__ = ["HeldoutSet", "chain_walk", "heldout_estimate"]

@@ -1,0 +1,361 @@
+"""Input data -> records -> chat messages: the reading half of `dflash extract` (and of `dflash eval`'s prompts).
+
+Why it is built this way:
+- Bad rows are data, not crashes: among 800K conversations some are always broken. A row that cannot
+  be decoded is yielded as a `BadRow` in its place, so it keeps its row number and sample id; whoever
+  consumes the rows records it in a `DataReport` with file, row and reason. A missing file or an
+  unknown format is the user's mistake and stops the run before any work (`check_inputs`).
+- `sample_id` is the row's global position in the input (bad rows included), so ids survive reruns,
+  other `limit`s and other worker counts, and the store can always point back at its source row.
+- Readers stream (JSON lines, Parquet batches, a `raw_decode` loop for JSON arrays), so no input is
+  loaded whole; the embedded ShareGPT dump is a JSON array cut off mid-record, read by the same loop.
+- Records come as ShareGPT `conversations`, OpenAI `messages`, plain `text` or a `prompt`; they are
+  turned into one form, chat messages ({role, content}) or plain text, here, without a tokenizer.
+
+The reasons a row is skipped (the keys of `DataReport.skipped_by_reason`) are all defined here,
+including those found later by tokenization: they are one vocabulary, the report's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_pipeline.embedded import embedded_sharegpt_path
+from dflash_pipeline.errors import InputDataError
+
+RECORD_KEYS = ("conversations", "messages", "text", "prompt")
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+HELDOUT_EVERY = 64  # embedded record i belongs to the eval split iff i % 64 == 63
+MAX_PROBLEMS_KEPT = 1000  # counts stay exact; only the examples are capped
+
+# Why a row was skipped: the keys of DataReport.skipped_by_reason.
+NOT_JSON = "not JSON"
+NOT_OBJECT = "not a JSON object"
+UNKNOWN_FORM = "unknown record form"
+UNKNOWN_ROLE = "unknown role"
+EMPTY_CONVERSATION = "empty conversation"
+EMPTY_CONTENT = "empty content"
+NO_ASSISTANT = "no assistant turn"
+NOT_IN_RENDERING = "assistant content not found in rendering"
+TEMPLATE_ERROR = "chat template error"
+NO_SUPERVISED = "no supervised token within max_length"
+NO_PROMPT = "no prompt"
+
+_JSON_READ_CHARS = 1 << 20
+_SEPARATORS = re.compile(r"[\s,]*")  # between elements of a JSON array
+
+# A record as chat messages ({role, content}), or its plain text.
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Problem:
+    file: str
+    row: int  # 1-based row in its file; for JSON lines the line number
+    reason: str  # one of the reason constants above
+    detail: str
+
+
+@dataclass
+class DataReport:
+    """What happened to every row read; printed by the CLI and written with the store."""
+
+    num_rows_read: int = 0
+    num_samples: int = 0
+    num_skipped: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=Counter)
+    problems: list[Problem] = field(default_factory=list)  # the first MAX_PROBLEMS_KEPT skipped rows
+    num_truncated: int = 0  # kept samples cut to max_length
+    num_dropped_no_anchor: int = 0  # no two consecutive supervised tokens: no DFlash anchor fits
+    num_tokens: int = 0  # of kept samples
+    num_supervised_tokens: int = 0  # of kept samples
+
+    def skip(self, file: str, row: int, reason: str, detail: str) -> None:
+        self.num_skipped += 1
+        self.skipped_by_reason[reason] += 1
+        if len(self.problems) < MAX_PROBLEMS_KEPT:
+            self.problems.append(Problem(file, row, reason, detail))
+
+    def summary_lines(self, num_examples: int = 5) -> list[str]:
+        """Human-readable lines: totals, skipped rows by reason, the first few with file:row."""
+        share = self.num_supervised_tokens / max(self.num_tokens, 1)
+        lines = [
+            f"rows read: {self.num_rows_read:,}; samples kept: {self.num_samples:,} "
+            f"({self.num_truncated:,} truncated to max_length)",
+            f"tokens: {self.num_tokens:,}; supervised: {self.num_supervised_tokens:,} ({share:.1%})",
+        ]
+        if self.num_dropped_no_anchor:
+            lines.append(f"dropped, no two consecutive supervised tokens: {self.num_dropped_no_anchor:,}")
+        if self.num_skipped:
+            lines.append(f"skipped rows: {self.num_skipped:,}")
+            for reason, count in sorted(self.skipped_by_reason.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {reason}: {count:,}")
+            for p in self.problems[:num_examples]:
+                lines.append(f"  e.g. {p.file}:{p.row}: {p.reason} ({p.detail})")
+        return lines
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """Why a row is skipped. Readers yield it in place of a row they cannot decode, so the row keeps its
+    place in the order; tokenizer workers return it (an exception with arguments would not unpickle)."""
+
+    reason: str
+    detail: str
+
+
+class BadRowError(Exception):
+    """Raised where a row turns out to be unusable; carries the `BadRow` to report."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.bad = BadRow(reason, detail)
+
+
+@dataclass(frozen=True)
+class SourceRow:
+    """Where a record comes from."""
+
+    file: str
+    row: int  # 1-based, in its file
+    sample_id: int  # global row index in the input, bad rows included
+
+
+# ---------------------------------------------------------------- input files
+
+
+def _first_char(path: Path) -> str:
+    """The first non-whitespace character of a text file ('' when there is none)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        while chunk := f.read(4096):
+            if stripped := chunk.lstrip():
+                return stripped[0]
+    return ""
+
+
+def _file_kind(path: Path) -> str:
+    """'jsonl', 'json_array' or 'parquet'; raises InputDataError for anything else."""
+    if not path.is_file():
+        raise InputDataError(f"{path}: no such file; check the path given as input data")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # here, not at the top: tokenizer workers import this module and never read files
+
+        try:
+            names = pq.ParquetFile(path).schema_arrow.names
+        except Exception as e:  # pyarrow raises several types for a non-Parquet file
+            raise InputDataError(f"{path}: not a readable Parquet file ({e})") from None
+        if not any(k in names for k in RECORD_KEYS):
+            expected, found = ", ".join(RECORD_KEYS), ", ".join(names)
+            raise InputDataError(f"{path}: Parquet file has none of the columns {expected} (it has {found})")
+        return "parquet"
+    if suffix not in (".jsonl", ".json"):
+        raise InputDataError(f"{path}: unknown input format '{suffix}'; use .jsonl, .json or .parquet")
+    first = _first_char(path)
+    if first == "{":
+        return "jsonl"
+    if first == "[" and suffix == ".json":
+        return "json_array"
+    expected = "'{' (JSON lines)" if suffix == ".jsonl" else "'[' (a JSON array) or '{' (JSON lines)"
+    found = repr(first) if first else "an empty file"
+    raise InputDataError(f"{path}: expected {expected}, found {found}; not a known data format")
+
+
+def check_inputs(paths: Iterable[str]) -> None:
+    """Raise InputDataError, naming the file, for any path that is missing or not a known format."""
+    for p in paths:
+        _file_kind(Path(p))
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    with open(path, "rb") as f:
+        for row, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield row, json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                yield row, BadRow(NOT_JSON, str(e))
+
+
+def _iter_json_array(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
+    """The elements of a JSON array, one at a time, without loading the file.
+
+    A syntax error cannot be skipped over inside an array, so it ends the file with one BadRow.
+    """
+    decoder = json.JSONDecoder()
+    row = 0
+    with open(path, encoding="utf-8-sig", errors=errors) as f:
+        try:
+            buf = f.read(_JSON_READ_CHARS)
+            pos = buf.index("[") + 1  # _file_kind saw '[' first
+            eof = False
+            while True:
+                pos = _SEPARATORS.match(buf, pos).end()
+                if pos < len(buf):
+                    if buf[pos] == "]":
+                        return
+                    try:
+                        value, end = decoder.raw_decode(buf, pos)
+                    except json.JSONDecodeError as e:
+                        if eof:
+                            yield row + 1, BadRow(NOT_JSON, f"{e}; the rest of the file is not read")
+                            return
+                    else:
+                        # A value that reaches the end of the buffer may continue in the next read.
+                        if end < len(buf) or eof:
+                            row += 1
+                            yield row, value
+                            pos = end
+                            continue
+                elif eof:
+                    yield row + 1, BadRow(NOT_JSON, "file ends inside the JSON array")
+                    return
+                # Read at least as much as is pending, so one huge element is re-parsed O(log size) times.
+                more = f.read(max(_JSON_READ_CHARS, len(buf) - pos))
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+        except UnicodeDecodeError as e:
+            yield row + 1, BadRow(NOT_JSON, f"not UTF-8 ({e}); the rest of the file is not read")
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    columns = [k for k in RECORD_KEYS if k in pf.schema_arrow.names]
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=columns):
+        for record in batch.to_pylist():
+            row += 1
+            yield row, record
+
+
+def iter_embedded_rows(split: str) -> Iterator[tuple[int, dict]]:
+    """(record index, record) of the embedded ShareGPT dump: 'eval' is every index % 64 == 63, 'train' the rest.
+
+    Holding the eval prompts out of the default training data keeps `dflash eval` honest.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+    want_eval = split == "eval"
+    # The dump is cut off inside a record (and possibly inside a UTF-8 sequence): keep the complete ones.
+    for row, record in _iter_json_array(embedded_sharegpt_path(), errors="replace"):
+        index = row - 1
+        if not isinstance(record, BadRow) and (index % HELDOUT_EVERY == HELDOUT_EVERY - 1) == want_eval:
+            yield index, record
+
+
+def iter_rows(paths: list[str] | None, split: str) -> Iterator[tuple[SourceRow, Any]]:
+    """(where, record) for every row of the input, in order; a row that cannot be decoded comes as a
+    `BadRow`. With no paths, the embedded ShareGPT `split` ('train' or 'eval').
+
+    Not a generator itself, so bad paths raise here, before any work.
+    """
+    if not paths:
+        return _embedded_rows(split)
+    check_inputs(paths)
+    return _file_rows(paths)
+
+
+def _embedded_rows(split: str) -> Iterator[tuple[SourceRow, Any]]:
+    name = str(embedded_sharegpt_path())
+    for index, record in iter_embedded_rows(split):
+        yield SourceRow(name, index + 1, index), record
+
+
+def _file_rows(paths: list[str]) -> Iterator[tuple[SourceRow, Any]]:
+    readers = {"jsonl": _iter_jsonl, "json_array": _iter_json_array, "parquet": _iter_parquet}
+    offset = 0
+    for p in paths:
+        path = Path(p)
+        last = 0
+        for last, record in readers[_file_kind(path)](path):
+            yield SourceRow(str(p), last, offset + last - 1), record
+        offset += last  # the next file's ids start after this file's last row
+
+
+# ---------------------------------------------------------------- records -> messages
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRowError(UNKNOWN_FORM, f"{where}: content part of type {kind!r}, only text is supported")
+            texts.append(part["text"])
+        return "\n".join(texts)  # as vLLM joins text parts, so training matches what a server renders
+    if content is None:
+        return ""
+    raise BadRowError(UNKNOWN_FORM, f"{where}: content is a {type(content).__name__}")
+
+
+def record_messages(record: Any) -> Messages | str:
+    """The record as chat messages ({role, content}), or its plain text. Raises BadRowError."""
+    if not isinstance(record, dict):
+        raise BadRowError(NOT_OBJECT, f"a JSON {type(record).__name__}")
+    # Parquet rows carry every known column, None where unused: None counts as absent.
+    if record.get("conversations") is not None:
+        key, turns, role_key, content_key = "conversations", record["conversations"], "from", "value"
+    elif record.get("messages") is not None:
+        key, turns, role_key, content_key = "messages", record["messages"], "role", "content"
+    elif record.get("text") is not None or record.get("prompt") is not None:
+        key = "text" if record.get("text") is not None else "prompt"
+        text = _content_text(record[key], key)
+        if not text.strip():
+            raise BadRowError(EMPTY_CONTENT, f"'{key}' is empty")
+        return text if key == "text" else [{"role": "user", "content": text}]
+    else:
+        raise BadRowError(UNKNOWN_FORM, f"keys {sorted(record)[:6]}; expected one of {', '.join(RECORD_KEYS)}")
+    if not isinstance(turns, list):
+        raise BadRowError(UNKNOWN_FORM, f"'{key}' is a {type(turns).__name__}, not a list")
+    if not turns:
+        raise BadRowError(EMPTY_CONVERSATION, f"'{key}' is empty")
+    messages = []
+    for i, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict):
+            raise BadRowError(UNKNOWN_FORM, f"turn {i} is a {type(turn).__name__}, not an object")
+        raw_role = turn.get(role_key)
+        role = ROLES.get(raw_role) if isinstance(raw_role, str) else None
+        if role is None:
+            raise BadRowError(UNKNOWN_ROLE, f"turn {i}: '{role_key}' is {raw_role!r}")
+        content = _content_text(turn.get(content_key), f"turn {i}")
+        if not content.strip():
+            raise BadRowError(EMPTY_CONTENT, f"turn {i} ({role})")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def prompt_messages(record: Any) -> Messages:
+    """The conversation before its first reply (what a model is asked to continue). Raises BadRowError,
+    also for a `BadRow` in place of the record."""
+    if isinstance(record, BadRow):
+        raise BadRowError(record.reason, record.detail)
+    messages = record_messages(record)
+    if isinstance(messages, str):
+        raise BadRowError(NO_PROMPT, "a plain 'text' record has no prompt")
+    first_reply = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    head = messages[:first_reply]
+    if not any(m["role"] == "user" for m in head):
+        raise BadRowError(NO_PROMPT, "no user turn before the first assistant turn")
+    return head

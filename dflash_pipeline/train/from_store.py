@@ -1,0 +1,76 @@
+"""What the trainer takes from a store: the drafter shaped after the stored target, the frozen tensors
+it shares with the target, and the checks that the store holds what a training config needs.
+
+The target itself is never loaded for training: the store's target/ group carries its config, its
+tokenizer, its embedding and its LM head, and these functions read only that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_pipeline.errors import DFlashError
+from dflash_pipeline.method import choose_mask_token_id
+from dflash_pipeline.schemas.config import ModelConfig, TrainConfig
+from dflash_pipeline.schemas.store import LAYER_CONVENTION
+from dflash_pipeline.store.reader import StoreReader
+from dflash_pipeline.train.model import DrafterConfig
+from dflash_pipeline.train.step import Frozen
+
+
+def drafter_config_for(model: ModelConfig, reader: StoreReader) -> DrafterConfig:
+    """A drafter of the target's width, from the target config stored in the store."""
+    attrs = reader.target_config()
+    tc = attrs["config"]
+    tc = tc.get("text_config", tc) if isinstance(tc.get("text_config"), dict) else tc
+    H = attrs["hidden_size"]
+    heads = tc.get("num_attention_heads")
+    layer_ids = list(model.layers) if model.layers else list(reader.meta.layer_ids)
+    missing = [k for k in layer_ids if k not in reader.meta.layer_ids]
+    if missing:
+        raise DFlashError(f"--layers {missing} are not in the store (it has {reader.meta.layer_ids})")
+    tokenizer = reader.load_tokenizer()
+    try:
+        mask_id = choose_mask_token_id(model.mask_token_id, tokenizer, attrs["vocab_size"])
+    except ValueError as e:
+        raise DFlashError(str(e) if model.mask_token_id is not None else f"{e}; pass --mask-token-id") from None
+    rope = tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    layer_types = ["sliding_attention" if i in model.swa_layers else "full_attention"
+                   for i in range(model.num_layers)]
+    return DrafterConfig(
+        hidden_size=H, intermediate_size=tc.get("intermediate_size", 4 * H), num_layers=model.num_layers,
+        num_heads=heads, num_kv_heads=tc.get("num_key_value_heads") or heads,
+        head_dim=tc.get("head_dim") or H // heads, vocab_size=attrs["vocab_size"], block_size=model.block_size,
+        mask_token_id=mask_id, target_layer_ids=layer_ids, num_target_layers=attrs["num_layers"],
+        rms_norm_eps=attrs.get("rms_norm_eps") or tc.get("rms_norm_eps") or 1e-6, rope_theta=float(rope),
+        max_position_embeddings=tc.get("max_position_embeddings", 32768), layer_types=layer_types,
+        sliding_window=model.sliding_window,
+    )
+
+
+def check_store_fits(cfg: TrainConfig, reader: StoreReader) -> None:
+    """Refuse, before training starts, a store without what the config needs."""
+    if reader.meta.layer_convention != LAYER_CONVENTION:
+        # Tools disagree by one on what "layer k" means; features of the wrong layers train a drafter
+        # that looks fine and fails at serving time.
+        raise DFlashError(f"{cfg.data.store}: layer ids use the convention '{reader.meta.layer_convention}', this "
+                          f"trainer and the DFlash export use '{LAYER_CONVENTION}' (HF hidden_states[k+1])")
+    if cfg.loss.kl_weight > 0 and reader.meta.topk == 0:
+        raise DFlashError(f"{cfg.data.store}: --kl-weight needs the teacher's top-k, and this store has none "
+                          "(extracted with --topk 0)")
+    if not reader.kv.exists("target/zarr.json"):
+        raise DFlashError(f"{cfg.data.store}: the store has no target/ tensors (frozen embedding and LM head); "
+                          "it was not written by a complete `dflash extract`")
+    if reader.num_samples == 0:
+        raise DFlashError(f"{cfg.data.store}: the store has no committed samples")
+
+
+def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype) -> Frozen:
+    """The target's embedding and LM head (the embedding again when tied), in the compute dtype."""
+    embed = reader.target_tensor("embed").to(device=device, dtype=dtype)
+    head = reader.target_tensor("lm_head").to(device=device, dtype=dtype) if reader.has_target_tensor("lm_head") else embed
+    attrs = reader.target_config()
+    return Frozen(embed, head, float(attrs.get("embedding_scale") or 1.0))
+
+
+__all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors"]
