@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.extract.data import ROLES, iter_embedded_rows
+from dflash_pipeline.extract.readers import ROLES, iter_embedded_rows
 
 _SHAREGPT_NAMES = {"user": "human", "assistant": "gpt", "system": "system"}
 

@@ -34,9 +34,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from common import int_list  # noqa: E402
 from packed import sample_spans, span_index  # noqa: E402
 
-from dflash_pipeline.train.data import Batch  # noqa: E402
+from dflash_pipeline.train.batch import Batch  # noqa: E402
 
 
 def target_features(runner, batch: Batch, topk: int) -> Batch:
@@ -72,7 +73,8 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
     from dflash_pipeline.extract.target import TargetRunner, embedding_scale, load_target, resolve_target
     from dflash_pipeline.schemas.config import TrainConfig
     from dflash_pipeline.store.reader import StoreReader
-    from dflash_pipeline.train.trainer import check_store_fits, drafter_config_for
+    from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for
+    from dflash_pipeline.train.step import Frozen
 
     dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
                        ("cpu" if device == "auto" else device))
@@ -83,15 +85,13 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
                       **train_kw)
     reader = StoreReader(store)
     check_store_fits(cfg, reader)
-    dcfg = drafter_config_for(cfg, reader)
+    dcfg = drafter_config_for(cfg.model, reader)
     dtype = torch.bfloat16 if cuda else torch.float32
     t = time.time()
     model = load_target(resolve_target(target), dtype, dev)
     load_s = time.time() - t
-    topk = reader.meta.topk if cfg.kl_weight > 0 else 0
+    topk = reader.meta.topk if cfg.loss.kl_weight > 0 else 0
     runner = TargetRunner(model, dcfg.target_layer_ids, topk=topk)
-    from dflash_pipeline.train.step import Frozen
-
     ft = runner.frozen_tensors()
     frozen = Frozen(ft["embed"].to(dtype), ft.get("lm_head", ft["embed"]).to(dtype), embedding_scale(model))
     result: dict[str, Any] = {"steps": steps, "warmup": warmup, "device": str(dev), "target_load_s": load_s,
@@ -110,26 +110,26 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
 
 
 def _time_mode(mode, cfg, reader, dcfg, frozen, runner, topk, dev, warmup, steps) -> dict[str, Any]:
-    from dflash_pipeline.train.blocks import default_gamma
-    from dflash_pipeline.train.data import StreamingLoader
-    from dflash_pipeline.train.model import DFlashDrafter, init_drafter_weights
+    from dflash_pipeline.method import default_gamma
+    from dflash_pipeline.train.loader import StreamingLoader
+    from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
     from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, step_generator
-    from dflash_pipeline.train.trainer import _lr_at
+    from dflash_pipeline.train.trainer import lr_at
 
     cuda = dev.type == "cuda"
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
+    model, loss, optim, data = cfg.model, cfg.loss, cfg.optim, cfg.data
+    gamma = loss.gamma if loss.gamma is not None else default_gamma(model.block_size)
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dcfg)
+    drafter = DFlashDrafter(dcfg, DrafterOptions(compile_kernels=None if cfg.runtime.compile else False))
     init_drafter_weights(drafter, generator=torch.Generator().manual_seed(cfg.seed))
-    drafter.compile_kernels = None if cfg.compile else False
     drafter.to(dev)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+    opt = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, betas=(0.9, 0.95), weight_decay=optim.weight_decay,
                             fused=cuda)
     # Online, the loader's features are replaced: let it decode one layer, not all of them.
     layers = dcfg.target_layer_ids[:1] if mode == "online" else dcfg.target_layer_ids
-    loader = StreamingLoader(reader, layers=layers, rank=0, world=1, seed=cfg.seed, row_len=cfg.max_length,
-                             rows_per_batch=cfg.rows_per_batch, eval_fraction=cfg.eval_fraction,
-                             num_workers=cfg.num_workers, device=dev)
+    loader = StreamingLoader(reader, layers=layers, rank=0, world=1, seed=cfg.seed, row_len=data.max_length,
+                             rows_per_batch=data.rows_per_batch, eval_fraction=data.eval_fraction,
+                             num_workers=cfg.runtime.num_workers, device=dev)
     total = warmup + steps
     tokens, t0, marks = 0, None, []
     step = 0
@@ -148,26 +148,27 @@ def _time_mode(mode, cfg, reader, dcfg, frozen, runner, topk, dev, warmup, steps
             if step >= warmup:
                 tokens += batch.num_tokens
             opt.zero_grad(set_to_none=True)
-            anchors = draw_anchors(batch, cfg.max_anchors, step_generator(cfg.seed, 0, step), cfg.block_size)
-            res = run_blocks(drafter, frozen, batch, anchors, block_size=cfg.block_size,
-                             mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.kl_weight,
-                             cap_weight=cfg.cap_weight, feature_noise=cfg.feature_noise, loss_chunk=cfg.loss_chunk,
+            anchors = draw_anchors(batch, loss.max_anchors, step_generator(cfg.seed, 0, step), model.block_size)
+            res = run_blocks(drafter, frozen, batch, anchors, block_size=model.block_size,
+                             mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=loss.kl_weight,
+                             cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
+                             loss_chunk=cfg.runtime.loss_chunk,
                              g=step_generator(cfg.seed, 0, step, dev, NOISE_STREAM), autocast=cuda)
             res.loss.backward()
             for group in opt.param_groups:
-                group["lr"] = _lr_at(cfg, step, total)
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                group["lr"] = lr_at(optim, step, total)
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), optim.grad_clip)
             opt.step()
             step += 1
             if step >= total:
                 break
-        loss = float(res.loss.detach())  # waits for the last step
+        last_loss = float(res.loss.detach())  # waits for the last step
         seconds = time.perf_counter() - t0
     finally:
         loader.close()
     target_s = sum(_elapsed(a, b) for a, b in marks)
     return {"step_s": seconds / steps, "input_tok_s": tokens / seconds, "target_s_per_step": target_s / steps,
-            "data_wait_s": loader.data_wait, "last_loss": loss, "steps": steps}
+            "data_wait_s": loader.data_wait, "last_loss": last_loss, "steps": steps}
 
 
 def _mark(cuda: bool):
@@ -183,8 +184,6 @@ def _elapsed(a, b) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from dflash_pipeline.cli import _int_list
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True)
     p.add_argument("--target", default=None)
@@ -199,13 +198,13 @@ def main(argv: list[str] | None = None) -> None:
                       ("feature-noise", float), ("sliding-window", int), ("lr", float), ("seed", int),
                       ("eval-fraction", float)):
         p.add_argument(f"--{name}", type=typ, default=None)
-    p.add_argument("--swa-layers", default=None)
+    p.add_argument("--swa-layers", type=int_list, default=None, help="comma-separated layer ids, e.g. 0,1,2,3")
     p.add_argument("--no-compile", action="store_true")
     a = p.parse_args(argv)
     fixed = {"store", "target", "out", "steps", "warmup", "modes", "device", "num_workers", "swa_layers", "no_compile"}
     kw = {k: v for k, v in vars(a).items() if v is not None and k not in fixed}
     if a.swa_layers:
-        kw["swa_layers"] = _int_list(a.swa_layers, "--swa-layers")
+        kw["swa_layers"] = a.swa_layers
     if a.no_compile:
         kw["compile"] = False
     run_modes(store=a.store, target=a.target, out=a.out, steps=a.steps, warmup=a.warmup,

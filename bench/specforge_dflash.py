@@ -20,7 +20,7 @@ weights, clipping, warmup + cosine). What is ours is only the plumbing around th
   its dense-mask path with eager attention);
 - the drafter's parameter names are those of the DFlash export (the authors' layout), so conversion is
   a check that nothing is missing or extra, then our `export_drafter` with the config of the same
-  drafter (`tests/test_specforge.py` checks that the converted drafter drafts what SpecForge's does).
+  drafter (`tests/test_quality.py` checks that the converted drafter drafts what SpecForge's does).
 
 Differences that stay SpecForge's own (reported in the result): bf16 weights with fp32 masters instead
 of autocast over fp32 weights; AdamW betas (0.9, 0.999) against our (0.9, 0.95); cosine to 0 (ours to
@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from common import int_list  # noqa: E402
 from packed import sample_spans, span_index  # noqa: E402
 
 from dflash_pipeline.errors import DFlashError  # noqa: E402
@@ -165,9 +166,9 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     from dflash_pipeline.progress import JsonlLog, LiveLine
     from dflash_pipeline.schemas.config import TrainConfig
     from dflash_pipeline.store.reader import StoreReader
-    from dflash_pipeline.train.blocks import default_gamma
-    from dflash_pipeline.train.data import StreamingLoader
-    from dflash_pipeline.train.trainer import check_store_fits, drafter_config_for, frozen_tensors
+    from dflash_pipeline.method import default_gamma
+    from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
+    from dflash_pipeline.train.loader import StreamingLoader
 
     _, OnlineDFlashModel, BF16Optimizer = import_specforge()
     line = progress or LiveLine()
@@ -183,7 +184,7 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
                        swa_layers=list(swa_layers or []), device=dev.type)
     reader = StoreReader(store)
     check_store_fits(tcfg, reader)
-    dcfg = drafter_config_for(tcfg, reader)
+    dcfg = drafter_config_for(tcfg.model, reader)
     gamma = gamma if gamma is not None else default_gamma(block_size)
     dtype = torch.bfloat16 if cuda else torch.float32
     frozen = frozen_tensors(reader, dev, dtype)
@@ -196,7 +197,7 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     opt = BF16Optimizer(model, lr=lr, weight_decay=0.0, max_grad_norm=grad_clip, total_steps=steps,
                         warmup_ratio=warmup_ratio)
     loader = StreamingLoader(reader, layers=dcfg.target_layer_ids, rank=0, world=1, seed=seed, row_len=max_length,
-                             rows_per_batch=tcfg.rows_per_batch, eval_fraction=eval_fraction,
+                             rows_per_batch=tcfg.data.rows_per_batch, eval_fraction=eval_fraction,
                              num_workers=num_workers, device=dev)
     line.say(f"SpecForge {SPECFORGE_VERSION} DFlash: {num_layers} layers, block {block_size}, gamma {gamma}, "
              f"{max_anchors} anchors per sample, {steps} steps of {tokens_per_batch} tokens on {dev}")
@@ -232,8 +233,8 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     seconds = time.time() - t_run
     final = export_specforge(draft, dcfg, out / "final", extra={"dflash_pipeline": {
         "trained_by": f"specforge {SPECFORGE_VERSION} OnlineDFlashModel", "step": step}})
-    res = heldout_estimate(final, reader, loader.eval_rows()[:eval_max_samples], gamma=gamma, device=dev,
-                           max_anchors=max_anchors)
+    res = exported_heldout_estimate(final, reader, loader.eval_rows()[:eval_max_samples], gamma=gamma,
+                                    device=dev, max_anchors=max_anchors, loss_chunk=tcfg.runtime.loss_chunk)
     metrics.write({"type": "eval", **res, "step": step})
     metrics.close()
     summary = {"step": step, "steps_total": steps, "finished": step >= steps, "seconds": seconds,
@@ -257,27 +258,27 @@ def steady_state(intervals: list[dict[str, Any]]) -> dict[str, Any]:
             "intervals": len(rest)}
 
 
-def heldout_estimate(drafter_dir: Path, reader, rows, *, gamma: float, device: torch.device,
-                     max_anchors: int) -> dict[str, Any]:
-    """Our held-out evaluation (greedy-chain tau, accuracy per slot) of an exported drafter."""
-    from dflash_pipeline.train.evaluate import evaluate
+def exported_heldout_estimate(drafter_dir: Path, reader, rows, *, gamma: float, device: torch.device,
+                              max_anchors: int, loss_chunk: int) -> dict[str, Any]:
+    """Our held-out estimate (greedy-chain tau, accuracy per slot) of an exported drafter, computed as
+    `dflash train` computes it for its own drafters."""
     from dflash_pipeline.train.export import load_exported
-    from dflash_pipeline.train.trainer import frozen_tensors
+    from dflash_pipeline.train.from_store import frozen_tensors
+    from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 
+    if not len(rows):
+        return {"tau_chain": math.nan, "samples": 0}
     cuda = device.type == "cuda"
     model, dcfg = load_exported(drafter_dir, dtype=torch.float32, device=device)
     model.eval()
     frozen = frozen_tensors(reader, device, torch.bfloat16 if cuda else torch.float32)
-    if not len(rows):
-        return {"tau_chain": math.nan, "samples": 0}
-    return evaluate(model, frozen, reader, rows, dcfg, gamma=gamma, device=device, autocast=cuda,
-                    max_anchors=max_anchors, loss_chunk=4096)
+    held = HeldoutSet(reader=reader, rows=rows, frozen=frozen, drafter=dcfg, gamma=gamma, max_anchors=max_anchors,
+                      loss_chunk=loss_chunk, device=device, autocast=cuda)
+    return heldout_estimate(model, held)
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python bench/specforge_dflash.py --store S --out DIR --steps N [...]`: one SpecForge training run."""
-    from dflash_pipeline.cli import _int_list
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True)
     p.add_argument("--out", required=True)
@@ -287,12 +288,10 @@ def main(argv: list[str] | None = None) -> None:
                       ("grad-clip", float), ("eval-fraction", float), ("seed", int), ("num-workers", int),
                       ("log-every", int), ("sliding-window", int)):
         p.add_argument(f"--{name}", type=typ, default=None)
-    p.add_argument("--swa-layers", default=None)
+    p.add_argument("--swa-layers", type=int_list, default=None, help="comma-separated layer ids, e.g. 0,1,2,3")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
-    kw = {k: v for k, v in vars(a).items() if v is not None and k != "swa_layers"}
-    if a.swa_layers:
-        kw["swa_layers"] = _int_list(a.swa_layers, "--swa-layers")
+    kw = {k: v for k, v in vars(a).items() if v is not None}
     try:
         train_specforge(**kw)
     except DFlashError as e:
