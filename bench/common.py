@@ -27,3 +27,8 @@ QWEN3_5_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, 
                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, vocab_size=49152,
                     max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers ("0,1,2,3"), as `dflash train --swa-layers` takes them."""
+    return [int(x) for x in text.split(",") if x.strip()]
