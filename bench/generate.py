@@ -59,14 +59,12 @@ SHAPES = {
 
 
 def build_target(path: str, tokenizer_dir: str, name: str) -> None:
-    from transformers import LlamaConfig, Qwen3Config
-
     from extract import build_target as build
 
     kind, shape = SHAPES[name]
     # No EOS: random weights would stop sequences at random; every sequence runs to its token count.
     build(path, tokenizer_dir, {**shape, "eos_token_id": None, "bos_token_id": None},
-          LlamaConfig if kind == "llama" else Qwen3Config)
+          "LlamaConfig" if kind == "llama" else "Qwen3Config")
 
 
 def _free() -> None:

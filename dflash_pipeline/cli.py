@@ -284,6 +284,7 @@ def eval_cmd(
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
     device: str = typer.Option("auto", "--device"),
+    compile_steps: bool = typer.Option(False, "--compile", help="torch.compile the graphed decode/verify/drafter steps (fused kernels; compiles for a minute or more first)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Real acceptance length: speculative decoding of the drafter against the target (exit 1 if greedy output differs)."""
@@ -295,7 +296,7 @@ def eval_cmd(
 
     cfg = _config(EvalConfig, drafter=drafter, target=target, prompts=list(prompts) if prompts else None,
                   num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                  block_size=block_size, seed=seed, dtype=dtype, device=device, json=json_out)
+                  block_size=block_size, seed=seed, dtype=dtype, device=device, compile=compile_steps, json=json_out)
     report = run_eval(cfg, LiveLine(enabled=not json_out))
     if json_out:
         print(json.dumps(report, default=float))

@@ -21,14 +21,17 @@ import torch
 
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval import speculative
-from dflash_pipeline.eval.models import Target, stop_token_ids
+from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
+from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
 from dflash_pipeline.eval.report import PromptResult, render_report, summarize
-from dflash_pipeline.eval.run import EvalConfig, evaluate, run_eval
+from dflash_pipeline.eval.run import EvalConfig, evaluate, make_participants, run_eval
+from dflash_pipeline.progress import LiveLine
 from dflash_pipeline.eval.speculative import (
     greedy_accept, rejection_accept, residual, speculative_generate, target_generate,
 )
 from dflash_pipeline.train.export import export_drafter
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 
 SMOL_LAYERS = [1, 8, 14, 20, 27]
 
@@ -66,20 +69,28 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 class OracleDrafter:
-    """Drafts `sequence` (prompt + the target's own continuation) exactly: every draft is right."""
+    """Drafts `sequence` (prompt + the target's own continuation) exactly: every draft is right, or, with
+    `err_every` = k, every k-th drafted slot is wrong (rounds then end in rejections at varied slots)."""
 
-    def __init__(self, sequence: list[int], vocab: int, block_size: int):
-        self.sequence, self.vocab, self.block_size = list(sequence), vocab, block_size
+    def __init__(self, sequence: list[int], vocab: int, block_size: int, err_every: int = 0):
+        self.sequence, self.vocab, self.block_size, self.err_every = list(sequence), vocab, block_size, err_every
         self.calls: list[tuple[torch.Tensor | None, int, int]] = []
+        self.drafted = 0
 
     def reset(self) -> None:
         self.calls = []
+        self.drafted = 0
 
     def draft(self, context, anchor, start):
         self.calls.append((None if context is None else context.clone(), anchor, start))
-        want = self.sequence[start + 1:start + self.block_size] + [0] * self.block_size
+        B = self.block_size
+        want = torch.tensor((self.sequence[start + 1:start + B] + [0] * B)[:B - 1])
+        if self.err_every:
+            slot = self.drafted + torch.arange(1, self.block_size)
+            want = torch.where(slot % self.err_every == 0, (want + 1) % self.vocab, want)
+            self.drafted += self.block_size - 1
         logits = torch.full((self.block_size - 1, self.vocab), -30.0)
-        logits[torch.arange(self.block_size - 1), torch.tensor(want[:self.block_size - 1])] = 30.0
+        logits[torch.arange(self.block_size - 1), want] = 30.0
         return logits
 
 
@@ -125,10 +136,16 @@ def tiny_llama(vocab: int = 6, seed: int = 0, head_std: float = 0.3):
 
 def test_greedy_accept_takes_matching_prefix_then_target_token():
     target = torch.tensor([5, 6, 7, 8])
-    assert greedy_accept(torch.tensor([5, 6, 7]), target) == (3, 8)  # all accepted: bonus
-    assert greedy_accept(torch.tensor([5, 0, 7]), target) == (1, 6)  # first miss replaced by the target's token
-    assert greedy_accept(torch.tensor([0, 6, 7]), target) == (0, 5)  # later matches do not count
-    assert greedy_accept(torch.tensor([], dtype=torch.long), target[:1]) == (0, 5)
+
+    def accept(draft):
+        n, token = greedy_accept(torch.tensor(draft, dtype=torch.long), target[:len(draft) + 1])
+        assert n.shape == token.shape == ()  # device tensors: the loop reads them in one transfer
+        return int(n), int(token)
+
+    assert accept([5, 6, 7]) == (3, 8)  # all accepted: bonus
+    assert accept([5, 0, 7]) == (1, 6)  # first miss replaced by the target's token
+    assert accept([0, 6, 7]) == (0, 5)  # later matches do not count
+    assert accept([]) == (0, 5)
 
 
 def test_residual_is_normalized_positive_part():
@@ -323,6 +340,179 @@ def test_summary_counts_slots_and_hist():
     assert rep["speedup"] == pytest.approx(2.0) and rep["lossless"] is True
 
 
+# ---------------------------------------------------------------- hybrid targets (linear attention)
+
+
+def tiny_hybrid(model_type: str, vocab: int = 64, seed: int = 0):
+    """A random Qwen3.5-family text model: 4 layers, 3 Gated DeltaNet (linear attention) + 1 full attention.
+    Weights drawn wide (std 0.1) so that the linear layers' states move the logits."""
+    import transformers
+
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, initializer_range=0.1)
+    if model_type == "qwen3_5_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    config, model = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+                     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}[model_type]
+    torch.manual_seed(seed)
+    return getattr(transformers, model)(getattr(transformers, config)(**kw)).eval()
+
+
+def _layer_states(cache) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(kind, a, b) per layer: linear layers (conv window, recurrent state), attention layers (keys, values)."""
+    out = []
+    for layer in cache.kv.layers:
+        if hasattr(layer, "recurrent_states"):
+            out.append(("linear", layer.conv_states[0][..., -layer.conv_kernel_size[0]:], layer.recurrent_states[0]))
+        else:
+            out.append(("attention", layer.keys, layer.values))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_verify_then_rollback_leaves_the_committed_states(model_type):
+    """After a verify of [anchor, 5 drafts] that keeps `keep` of them, every layer's state equals the state
+    after feeding only the committed tokens one by one, as plain decoding does: linear layers' convolution
+    windows and recurrent states, attention layers' keys and values, and the next token's logits.
+    The cause of the issue, on the same states: transformers' crop alone rolls the windows back but leaves
+    the recurrent states holding the rejected drafts, off by as much as the states' own size; the block
+    (chunked kernel) and token-by-token (recurrent kernel) paths agree to rounding."""
+    model = tiny_hybrid(model_type)
+    target = Target(model)
+    prompt, block = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 8, 10, 11, 12, 13]
+    P = len(prompt)
+
+    def fresh():
+        cache = target.new_cache()
+        target.forward(prompt, 0, cache, last_only=True)
+        return cache
+
+    for keep in (1, 2, 4, 6):
+        rolled = fresh()
+        target.forward(block, P, rolled)
+        target.crop(rolled, P + keep)
+        stepwise = fresh()
+        for j in range(keep):
+            target.forward([block[j]], P + j, stepwise)
+        as_block = fresh()
+        target.forward(block[:keep], P, as_block)
+        target.crop(as_block, P + keep)
+        for (kind, a, b), (_, c, d), (_, e, f) in zip(_layer_states(rolled), _layer_states(stepwise),
+                                                      _layer_states(as_block)):
+            for x, y, z in ((a, c, e), (b, d, f)):
+                assert x.shape == y.shape, (keep, kind)
+                torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)  # rollback == committed tokens only
+                torch.testing.assert_close(z, y, atol=1e-5, rtol=1e-4)  # chunked == recurrent kernel
+        if keep < len(block):  # the cause: transformers' crop alone
+            crop_only = fresh()
+            target.forward(block, P, crop_only)
+            crop_only.kv.crop(-(len(block) - keep))
+            linear = [(s1, s2) for s1, s2 in zip(_layer_states(crop_only), _layer_states(stepwise))
+                      if s1[0] == "linear"]
+            assert len(linear) == 3
+            for (_, window, state), (_, want_window, want_state) in linear:
+                torch.testing.assert_close(window, want_window, atol=1e-5, rtol=1e-4)
+                assert (state - want_state).abs().max() > 0.1 * want_state.abs().max()
+
+        nxt = [block[keep] if keep < len(block) else 0]
+        torch.testing.assert_close(target.forward(nxt, P + keep, rolled)[0],
+                                   target.forward(nxt, P + keep, stepwise)[0], atol=1e-5, rtol=1e-4)
+    target.close()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_speculative_decoding_equals_plain_decoding(model_type, monkeypatch):
+    """fp32, token for token, on several prompts: drafters that are right, wrong at every 3rd slot (rounds
+    end at varied slots), or always wrong. The same prompts without the rollback (transformers' crop
+    alone) leave plain decoding: the test has the power to see the issue."""
+    from dflash_pipeline.eval import rollback
+
+    V, B = 64, 6
+    model = tiny_hybrid(model_type, vocab=V, seed=1)
+    target = Target(model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    kw = dict(max_new_tokens=32, temperature=0.0, stop_ids=frozenset())
+    bases = [target_generate(target, p, **kw) for p in prompts]
+    committed = []
+    for p, base in zip(prompts, bases):
+        for drafter in (OracleDrafter(p + base.tokens, V, B), OracleDrafter(p + base.tokens, V, B, err_every=3),
+                        TableDrafter(torch.zeros(V, B - 1, V))):
+            spec = speculative_generate(target, drafter, p, **kw)
+            assert spec.tokens == base.tokens, (model_type, p, drafter)
+            committed += [s.committed for s in spec.steps[:-1]]
+    assert {1, 2, 3, B} <= set(committed)  # rejections at the first slots and full blocks
+
+    monkeypatch.setattr(rollback.LinearStates, "restore", lambda self: None)
+    monkeypatch.setattr(rollback.MixerReplay, "replay", lambda self, inputs, keep: None)
+    differ = sum(speculative_generate(target, OracleDrafter(p + b.tokens, V, B, err_every=3), p, **kw).tokens
+                 != b.tokens for p, b in zip(prompts, bases))
+    assert differ >= 2
+
+
+# ---------------------------------------------------------------- the graphed path (static caches)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+def test_graphed_decoding_equals_plain_decoding_and_the_eager_path(kind):
+    """Plain and speculative decoding on the static-cache runner and drafter: transformers' greedy output,
+    the same rounds as the eager path (same drafts, same acceptances, the drafter's logits equal), full
+    blocks for an oracle, and at T > 0 the same tokens as the eager path from the same random stream."""
+    model, drafter, B, N = tiny_causal_lm(kind), tiny_drafter([0, 1]), 4, 40
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    want = hf_greedy(model, prompt, N)
+    kw = dict(max_new_tokens=N, stop_ids=frozenset())
+    eager = Target(model, [0, 1])
+    steered_ref = Steered(DFlashDraft(drafter, eager), prompt + want)
+    ref = speculative_generate(eager, steered_ref, prompt, temperature=0.0, **kw)
+    ref_t = speculative_generate(eager, DFlashDraft(drafter, eager), prompt, temperature=0.8,
+                                 generator=torch.Generator().manual_seed(3), **kw)
+    eager.close()
+    assert ref.tokens == want and {s.accepted for s in ref.steps} == {0, 1, 2, 3}
+
+    target = GraphedTarget(model, [0, 1], max_len=len(prompt) + N + B, block_size=B)
+    graphed = GraphedDraft(drafter, target, max_len=len(prompt) + N + B)
+    assert target_generate(target, prompt, temperature=0.0, **kw).tokens == want
+    steered = Steered(graphed, prompt + want)
+    spec = speculative_generate(target, steered, prompt, temperature=0.0, **kw)
+    assert spec.tokens == want and spec.steps == ref.steps
+    torch.testing.assert_close(torch.stack(steered.seen), torch.stack(steered_ref.seen), atol=1e-4, rtol=1e-4)
+    oracle = speculative_generate(target, OracleDrafter(prompt + want, 96, B), prompt, temperature=0.0, **kw)
+    assert oracle.tokens == want and {s.committed for s in oracle.steps[:-1]} == {B}
+    spec_t = speculative_generate(target, graphed, prompt, temperature=0.8, generator=torch.Generator().manual_seed(3),
+                                  **kw)
+    assert spec_t.tokens == ref_t.tokens and spec_t.steps == ref_t.steps
+    target.close()
+
+
+def test_a_prompt_longer_than_the_block_reaches_the_drafter_whole():
+    """The prompt's context is appended eagerly when it exceeds B; the rounds then equal the eager path."""
+    model, drafter = tiny_causal_lm("llama", seed=4), tiny_drafter([0, 2], block_size=3, seed=1)
+    prompt = list(range(10, 40))
+    eager = Target(model, [0, 2])
+    ref = speculative_generate(eager, DFlashDraft(drafter, eager), prompt, max_new_tokens=12, temperature=0.0,
+                               stop_ids=frozenset())
+    eager.close()
+    target = GraphedTarget(model, [0, 2], max_len=48, block_size=3)
+    spec = speculative_generate(target, GraphedDraft(drafter, target, max_len=48), prompt, max_new_tokens=12,
+                                temperature=0.0, stop_ids=frozenset())
+    target.close()
+    assert spec.tokens == ref.tokens and spec.steps == ref.steps
+
+
+def test_hybrid_target_decodes_eagerly_and_says_so_in_one_line():
+    model = tiny_causal_lm("qwen3")
+    model.config.layer_types = ["linear_attention", "full_attention", "full_attention"]
+    out = io.StringIO()
+    target, drafter = make_participants(model, tiny_drafter([0, 1]), [(0, [1, 2, 3])],
+                                        EvalConfig(drafter="unused", max_new_tokens=8), LiveLine(stream=out))
+    assert type(target) is Target and type(drafter) is DFlashDraft
+    assert out.getvalue().count("\n") == 1 and "eager decoding" in out.getvalue()
+    assert "linear_attention" in out.getvalue()
+    target.close()
+
+
 # ---------------------------------------------------------------- the real target
 
 
@@ -332,6 +522,11 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
                      num_prompts=3, max_new_tokens=24)
     report = run_eval(cfg)
     assert report["lossless"] is True and report["mismatches"] == []
+    assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock"
+    assert all(report["step_ms"][k] > 0 for k in ("target_decode", "target_verify", "drafter"))
+    ms = report["step_ms"]
+    assert report["speedup_from_step_times"] == pytest.approx(
+        report["tau"] * ms["target_decode"] / (ms["target_verify"] + ms["drafter"]))
     assert report["prompts"] == 3 and report["block_size"] == 8
     assert 1.0 <= report["tau"] < 1.5
     assert sum(report["accept_hist"]) == report["steps"] and len(report["accept_hist"]) == 9
@@ -342,13 +537,15 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
     stops = stop_token_ids(smollm_tokenizer, smollm_model)
     assert smollm_tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
     ids = chat_ids(smollm_tokenizer, "Name three primary colors.")
-    target = Target(smollm_model)
-    ours = target_generate(target, ids, max_new_tokens=24, temperature=0.0, stop_ids=stops)
     with torch.no_grad():
         hf = smollm_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                    eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0])
-    assert ours.tokens == hf[0, len(ids):].tolist()
-    target.close()
+    for make in (lambda: Target(smollm_model), lambda: GraphedTarget(smollm_model, [], max_len=len(ids) + 40,
+                                                                     block_size=8)):
+        target = make()  # one at a time: the graphed one owns the model's attention until closed
+        ours = target_generate(target, ids, max_new_tokens=24, temperature=0.0, stop_ids=stops)
+        target.close()
+        assert ours.tokens == hf[0, len(ids):].tolist()
 
 
 def test_oracle_drafter_on_real_target_commits_full_blocks(smollm_model, smollm_tokenizer):
@@ -394,3 +591,32 @@ def test_mismatched_drafter_is_refused_with_one_line(tmp_path, smollm_dir):
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         EvalConfig(drafter="d", **bad)
+
+
+def test_sliding_window_layers_keep_only_their_window():
+    """Past recording (for rollbacks) keeps a sliding layer's past until a crop; plain decoding never
+    rolls back, and transformers 5.17 then handed the layer its whole past (a shape error once past the
+    window). Every forward first cuts the windows back: a sliding layer holds at most its window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    W = 4
+    cfg = Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                           sliding_window=W, layer_types=["sliding_attention", "full_attention"],
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    target = Target(Gemma3ForCausalLM(cfg).eval())
+    prompt = list(range(3, 13))
+    base = target_generate(target, prompt, max_new_tokens=12, temperature=0.0, stop_ids=frozenset())
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, 0, cache, last_only=True)
+    for i, t in enumerate(base.tokens[:-1]):
+        assert int(logits[-1].argmax()) == t
+        logits, _ = target.forward([t], len(prompt) + i, cache)
+        sliding, full = cache.kv.layers
+        assert sliding.keys.shape[-2] <= W and full.keys.shape[-2] == len(prompt) + i + 1
+    assert int(logits[-1].argmax()) == base.tokens[-1]
+    spec = speculative_generate(target, OracleDrafter(prompt + base.tokens, 32, 5, err_every=3), prompt,
+                                max_new_tokens=12, temperature=0.0, stop_ids=frozenset())
+    assert spec.tokens == base.tokens
+    target.close()

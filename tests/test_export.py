@@ -97,3 +97,32 @@ def test_bidirectional_sliding_option_is_exported_and_matches_reference(tmp_path
         want = ref(target_hidden=feats, noise_embedding=emb, position_ids=torch.arange(20)[None])
         got = model.draft_step(feats, torch.arange(12), emb, 12 + torch.arange(8), model.new_cache())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_target_export_loads_in_reference_and_drafts_the_same(tmp_path, smollm_dir):
+    """A drafter for a Qwen3.5 (hybrid linear-attention) target: config.json counts every decoder layer of
+    the target (8, linear attention or not) and reads the default layers of that count; the authors'
+    `dflash` package loads it and, from the target's own hidden states, drafts what our drafter drafts."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.method import default_layer_ids
+    from dflash_pipeline.train.model import DrafterConfig
+    from families import FAMILIES, build
+    from test_families import check_reference_drafts
+
+    family = next(f for f in FAMILIES if f.model_type == "qwen3_5")
+    target = AutoModelForCausalLM.from_pretrained(build(family, tmp_path / "target", smollm_dir), dtype=torch.float32)
+    text = target.config
+    assert text.layer_types.count("linear_attention") == 6 and text.num_hidden_layers == 8
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        vocab_size=49152, block_size=8, mask_token_id=49151, num_target_layers=8,
+                        target_layer_ids=default_layer_ids(8, 3), rope_theta=1e7)
+    export_drafter(random_drafter(cfg), cfg, tmp_path / "export", dtype=torch.float32)
+    c = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert c["num_target_layers"] == 8 and c["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+    assert [text.layer_types[k] for k in (1, 3, 5)] == ["linear_attention", "full_attention", "linear_attention"]
+    assert c["layer_types"] == ["full_attention"] * 2  # the drafter's own layers, not the target's
+    assert "input_embedding_scale" not in c["dflash_config"]  # Qwen3.5 embeds unscaled
+    check_reference_drafts(SimpleNamespace(model=target.eval(), export=tmp_path / "export"), list(range(100, 140)))

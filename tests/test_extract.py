@@ -342,3 +342,36 @@ def test_profile_window_writes_its_report_and_changes_nothing(extracted, data_fi
     with pytest.raises(DFlashError, match="FIRST:COUNT:PATH"):
         run_extract(_cfg(tmp_path / "other", data_file))
     assert not (tmp_path / "other").exists()
+
+
+def test_right_padded_hybrid_batches_need_no_padding_mask(tmp_path, smollm_dir):
+    """Extraction drops the padding mask of right-padded rows (causal attention alone hides the padding).
+    Linear attention (Qwen3.5's Gated DeltaNet: a causal convolution and a recurrence over earlier
+    positions) is causal too, so the rule holds for it: with no padding mask anywhere, and on
+    extraction's own path (where transformers still zeroes padded inputs of the linear layers), the
+    features and top-k of a padded batch equal each sample run alone."""
+    from dflash_pipeline.extract.target import TargetRunner, base_model, load_target, right_padded_batch
+    from families import FAMILIES, build
+
+    family = next(f for f in FAMILIES if f.model_type == "qwen3_5")
+    model = load_target(build(family, tmp_path / "target", smollm_dir), torch.float32, "cpu")
+    assert "linear_attention" in model.config.layer_types
+    layers = [1, 3, 5]  # linear, full, linear
+    runner = TargetRunner(model, layers, 8)
+    g = torch.Generator().manual_seed(0)
+    for lengths, width in (([37, 20, 9], 48), ([70, 3], 80)):  # the second spans two 64-token chunks
+        ids = torch.randint(0, 49152, (len(lengths), width), generator=g)
+        out = runner.run_batch(ids, lengths)
+        with torch.no_grad(), right_padded_batch():  # no padding mask at all: every layer sees the padding
+            bare = base_model(model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        off = 0
+        for i, n in enumerate(lengths):
+            with torch.no_grad():
+                ref = model(ids[i:i + 1, :n], output_hidden_states=True)
+            hs = torch.stack([ref.hidden_states[k + 1][0] for k in layers], 1)
+            torch.testing.assert_close(out.hidden_NLH[off:off + n], hs, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(torch.stack([bare[k + 1][i, :n] for k in layers], 1), hs, atol=1e-4, rtol=1e-4)
+            top = torch.log_softmax(ref.logits[0].float(), -1).topk(8)
+            torch.testing.assert_close(out.topk_logprobs_NK[off:off + n].float(), top.values, atol=1e-2, rtol=0)
+            off += n
+    runner.close()

@@ -90,6 +90,8 @@ def test_fused_equals_naive_on_cuda(kl, cap):
         (f, gf), (n, gn) = out
         tol = dict(atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(f.loss, n.loss, **tol)
+        if dtype == torch.float32:  # bf16 logits of differently shaped matmuls may order near-ties differently
+            assert torch.equal(f.label_rank_N, n.label_rank_N)
         torch.testing.assert_close(gf.float(), gn.float(), **(tol if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)))
 
 
@@ -163,3 +165,52 @@ def test_user_errors():
         fused_head_loss(hidden, head, labels, weights, kl_weight=0.1)
     with pytest.raises(ValueError):
         fused_head_loss(hidden, head.double(), labels, weights)
+
+
+def _tied_inputs(dtype):
+    """Logits with exact ties: head rows 7 and 11 duplicate rows 2 and 4, positions 0..5 have their maximum on
+    the tied pair 2/7, and labels sit on either copy and at every rank up to 11."""
+    hidden, head, labels, weights, t_ids, t_lp = _inputs(dtype, seed=2)
+    head, hidden, labels = head.clone(), hidden.clone(), labels.clone()
+    head[7], head[11] = head[2], head[4]
+    hidden[:6] = (head[2].float() * 4).to(dtype)
+    labels[0:6] = torch.tensor([2, 7, 4, 11, 2, 7])
+    top = (hidden.float() @ head.float().T).topk(12, dim=-1).indices
+    labels[6:20] = top[torch.arange(6, 20), torch.arange(14) % 12]
+    labels[3] = -100
+    return hidden, head, labels, weights
+
+
+@pytest.mark.parametrize("dtype,compile_mode,chunk", [(torch.float32, "never", 5), (torch.bfloat16, "never", 37),
+                                                       (torch.float32, "always", 16), (torch.bfloat16, "always", 37)])
+def test_label_rank_and_topk_match_a_full_sort(monkeypatch, dtype, compile_mode, chunk):
+    """Top-k accuracy (rank < k) and the per-position top-k, on the eager and the compiled chunk path, equal a
+    stable descending sort of the full logits; rank 0 is exactly the argmax hit."""
+    import dflash_pipeline.train.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "COMPILE", compile_mode)
+    hidden, head, labels, weights = _tied_inputs(dtype)
+    h = hidden.clone().requires_grad_(True)
+    res = fused_head_loss(h, head, labels, weights, chunk_size=chunk, topk=8, rank_limit=12)
+    ref = naive_head_loss(hidden, head, labels, weights, topk=8, rank_limit=12)
+    x = (hidden @ head.T).float()
+    above = torch.tensor([sum(1 for v in x[i].tolist() if v > float(x[i, labels[i]])) if labels[i] >= 0 else V
+                          for i in range(N)])
+    want = above.clamp_max(12)
+    assert torch.equal(res.label_rank_N, want) and torch.equal(ref.label_rank_N, want)
+    assert int((above > 12).sum()) > 5  # the limit is exercised
+    default = fused_head_loss(hidden, head, labels, weights, chunk_size=chunk)
+    assert torch.equal(default.label_rank_N, above.clamp_max(8))
+    assert len(set(want[6:20].tolist())) >= 10  # ranks up to 11 exercised
+    # A tie counts for the label: both copies of the top pair have rank 0, argmax takes the first.
+    assert want[[0, 1, 5]].tolist() == [0, 0, 0] and res.correct_N[[0, 1, 5]].tolist() == [True, False, False]
+    assert bool((res.label_rank_N[res.correct_N] == 0).all())
+    for k in (1, 4, 8):
+        assert int((res.label_rank_N < k).sum()) == sum(
+            int((x[i] > x[i, labels[i]]).sum()) < k for i in range(N) if labels[i] >= 0)
+    # The top-k the tree estimate reads: the same log-probabilities as the full log-softmax's top-k.
+    logp = torch.log_softmax(x.float(), -1)
+    torch.testing.assert_close(res.topk_logprobs_NK, logp.gather(1, res.topk_ids_NK), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res.topk_logprobs_NK, logp.topk(8, -1).values, atol=1e-5, rtol=1e-5)
+    res.loss.backward()  # metrics do not disturb the gradient path
+    assert h.grad is not None and fused_head_loss(hidden, head, labels, weights).topk_ids_NK is None

@@ -327,6 +327,39 @@ def test_step_blocks_come_from_the_host_copy_only(kind, causal):
     assert st.attn_pairs == pairs
 
 
+def test_step_counts_top1_and_topk_hits_per_slot_from_the_loss_logits():
+    """The step's per-slot top-1 (argmax) and top-k (k in TOPK_ACCURACY: fewer than k larger logits) counts
+    equal those of the full logits of the same hidden states (no second head pass in the step)."""
+    from dflash_pipeline.train.step import TOPK_ACCURACY, Frozen, draw_anchors, run_blocks, stage_blocks
+
+    cfg = tiny_config("full")
+    model = random_drafter(cfg)
+    batch = _step_batch()
+    g = torch.Generator().manual_seed(3)
+    # A coarse head (values on a grid of 0.5) makes ties between logits common, as in bf16.
+    frozen = Frozen(torch.randn(V, H, generator=g), (torch.randn(V, H, generator=g) * 0.25).round() / 2)
+    anchors = draw_anchors(batch, 5, torch.Generator().manual_seed(0), B)
+    captured = {}
+    hook = model.register_forward_hook(lambda m, a, o: captured.__setitem__("h", o))
+    with torch.no_grad():
+        out = run_blocks(model, frozen, batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0,
+                         kl_weight=0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=128, g=None, autocast=False)
+    hook.remove()
+    st = stage_blocks(batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0,
+                      layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=torch.device("cpu"))
+    hidden = captured["h"].reshape(-1, H)[st.sel_N]
+    logits = hidden @ frozen.head_VH.T
+    rank = (logits > logits.gather(1, st.labels_N[:, None])).sum(-1)  # ties count for the label
+    argmax_hit = logits.argmax(-1) == st.labels_N
+    slot = st.sel_N % B
+    assert torch.equal(out.count_B, torch.bincount(slot, minlength=B))
+    assert torch.equal(out.correct_B, torch.bincount(slot[argmax_hit], minlength=B))
+    assert out.topk_correct_JB.shape == (len(TOPK_ACCURACY), B)
+    for j, k in enumerate(TOPK_ACCURACY):
+        assert torch.equal(out.topk_correct_JB[j], torch.bincount(slot[rank < k], minlength=B))
+    assert 0 < int(out.correct_B.sum()) < int(out.topk_correct_JB[0].sum()) < int(out.topk_correct_JB[1].sum())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_training_step_never_waits_for_the_gpu():
     """A whole training step (anchors, blocks, forward, fused loss with KL and CAP, feature noise,

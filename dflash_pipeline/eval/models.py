@@ -9,6 +9,12 @@ Transformers renamed the model's cache argument (`past_key_values` -> `cache` in
 of a positive `Cache.crop` argument; the keyword is read from the forward's signature and the cache is
 only ever cropped with a negative count, which both versions read as "remove this many".
 
+A rejected draft is rolled back by cropping keys and values, and, in hybrid targets, by restoring the
+linear-attention layers' states saved before the verify forward and folding the committed tokens in
+again (`rollback.py`: transformers' crop cannot take tokens out of a recurrent state). `TargetCache`
+carries what that needs; single-token forwards (plain decoding) and prefills save nothing, as nothing
+rolls them back.
+
 `DFlashDraft` puts a `DFlashDrafter` behind the loop's `Drafter` protocol. The drafter owns neither
 embedding nor LM head: it embeds with the target's frozen table times the model's embedding scale
 (exactly as training does) and reads logits through the target's LM head, with the target's logit
@@ -19,14 +25,27 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 from torch.nn import functional as F
 
+from dflash_pipeline.eval.rollback import LinearStates, MixerReplay
 from dflash_pipeline.extract.target import embedding_scale, decoder_layers, text_config
 from dflash_pipeline.method import block_input_ids
 from dflash_pipeline.train.model import DFlashDrafter
+
+
+@dataclass
+class TargetCache:
+    """The target's transformers cache as the decoding loop holds it, with what a rollback needs."""
+
+    kv: Any                              # the transformers cache (DynamicCache)
+    states: LinearStates | None = None   # the linear-attention layers' states; None: no such layers
+    length: int = 0                      # positions held
+    saved_at: int | None = None          # where the last multi-token forward started (states saved there)
+    mixer_inputs: dict = field(default_factory=dict)  # that forward's linear-attention inputs (MixerReplay)
 
 
 class Target:
@@ -48,6 +67,7 @@ class Target:
         self._captured: dict[int, torch.Tensor] = {}
         layers = decoder_layers(model)
         self._hooks = [layers[k].register_forward_hook(self._hook(k)) for k in self.layer_ids]
+        self._replay: MixerReplay | None = None  # made with the first cache of a hybrid target
 
     def _hook(self, k: int):
         def fn(module, args, output):
@@ -60,30 +80,64 @@ class Target:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._replay is not None:
+            self._replay.close()
+            self._replay = None
 
-    def new_cache(self):
+    def new_cache(self) -> TargetCache:
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
-        # Sliding-window and linear-attention layers keep their past until cropped, so a rejected
-        # draft can be rolled back.
-        cache.activate_past_recording()
-        return cache
+        kv = DynamicCache(config=self.model.config)
+        # Sliding-window layers keep their past until cropped, so a rejected draft can be rolled back;
+        # linear-attention layers keep their convolution window (their recurrent state: LinearStates).
+        kv.activate_past_recording()
+        states = LinearStates(kv)
+        if states and self._replay is None:
+            self._replay = MixerReplay(self.model, states.layer_ids)
+        return TargetCache(kv, states if states else None)
 
-    def crop(self, cache, length: int) -> None:
-        """Keep the first `length` positions of the cache."""
-        cache.crop(-(cache.get_seq_length() - length))
+    def crop(self, cache: TargetCache, length: int) -> None:
+        """Keep the first `length` positions of the cache (the last forward's first position or later)."""
+        drop = cache.length - length
+        if drop <= 0:
+            return
+        cache.kv.crop(-drop)
+        cache.length = length
+        if cache.states is not None:
+            assert cache.saved_at is not None and length >= cache.saved_at, "rollback past the last verify forward"
+            cache.states.restore()
+            self._replay.replay(cache.mixer_inputs, length - cache.saved_at)
+            cache.saved_at = None
+            cache.mixer_inputs.clear()
 
-    def forward(self, ids: Sequence[int], start: int, cache, *, features: bool = False,
+    def forward(self, ids: Sequence[int] | torch.Tensor, start: int, cache: TargetCache, *, features: bool = False,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fp32 logits [n, V] (or [1, V] with last_only), features [1, n, F] or None) of n new tokens
         at positions start .. start + n - 1, appending them to `cache` (which must hold `start`)."""
         n = len(ids)
-        ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        kwargs = {self._cache_kw: cache, "use_cache": True,
+        assert cache.length == start, f"the cache holds {cache.length} positions, the forward starts at {start}"
+        if cache.length:
+            # Past recording expects a crop after every forward: without one, transformers 5.17 hands a
+            # sliding-window layer its whole recorded past (a shape error past the window) and 5.24 keeps
+            # it in memory. crop(0) cuts every window back to what the next forward needs.
+            cache.kv.crop(0)
+        if isinstance(ids, torch.Tensor):  # a block built on the device: no host round trip
+            ids_1n = ids.reshape(1, n).to(self.device)
+        else:
+            ids_1n = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        kwargs = {self._cache_kw: cache.kv, "use_cache": True,
                   "position_ids": torch.arange(start, start + n, device=self.device)[None]}
         if last_only and self._can_keep_last:
             kwargs["logits_to_keep"] = 1
+        # Only a verify forward is ever rolled back: more than one token, logits for all of them (a
+        # prefill keeps only the last; capturing its inputs would hold every layer's activations).
+        rollback = cache.states is not None and n > 1 and not last_only
+        if cache.states is not None:
+            cache.mixer_inputs.clear()
+            cache.saved_at = start if rollback else None
+            if rollback:
+                cache.states.save()
+            self._replay.capture(cache.mixer_inputs if rollback else None)
         self._capturing = features and bool(self.layer_ids)
         try:
             out = self.model(input_ids=ids_1n, **kwargs)
@@ -94,6 +148,9 @@ class Target:
         finally:
             self._capturing = False
             self._captured.clear()
+            if self._replay is not None:
+                self._replay.capture(None)
+        cache.length = start + n
         logits = out.logits[0].float()
         return (logits[-1:] if last_only else logits), feats
 
@@ -183,4 +240,4 @@ def stop_token_ids(tokenizer, model=None) -> frozenset[int]:
     return frozenset(ids)
 
 
-__all__ = ["Target", "DFlashDraft", "stop_token_ids"]
+__all__ = ["Target", "TargetCache", "DFlashDraft", "stop_token_ids"]

@@ -4,6 +4,11 @@ tau is pooled over every verification step of every prompt (tokens committed per
 included), as serving engines and the paper report it; the per-prompt mean is kept beside it because a
 few long easy prompts can dominate the pooled number. Speeds are decoding speeds (the prefill and its
 first token excluded) of the two runs made on the same prompts in the same process.
+
+Step times (median ms of the target's decode step, its verify step and the drafter's step) say where a
+round's time goes; `speedup_from_step_times` = tau * t_decode / (t_verify + t_draft) is the speedup
+those steps allow at the measured tau. The measured speedup falls short of it by whatever else a
+round costs (the host's work between steps, the acceptance transfer).
 """
 
 from __future__ import annotations
@@ -82,6 +87,15 @@ def summarize(results: list[PromptResult], *, block_size: int, temperature: floa
     }
 
 
+def add_step_times(report: dict[str, Any], step_ms: dict[str, float], clock: str) -> None:
+    """Put the median step times (ms) and the speedup they imply at the report's tau into `report`."""
+    report["step_ms"] = {k: step_ms.get(k) for k in ("target_decode", "target_verify", "drafter")}
+    report["step_ms_clock"] = clock
+    d, v, a = (report["step_ms"][k] for k in ("target_decode", "target_verify", "drafter"))
+    tau = report.get("tau")
+    report["speedup_from_step_times"] = tau * d / (v + a) if None not in (tau, d, v, a) and v + a > 0 else None
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -111,6 +125,11 @@ def render_report(report: dict[str, Any], console) -> None:
     head.add_row("tok/s with drafter", _fmt(report["tok_s_spec"], ".1f"))
     head.add_row("tok/s target alone", _fmt(report["tok_s_target"], ".1f"))
     head.add_row("speedup", f"{_fmt(report['speedup'])}x")
+    if "step_ms" in report:
+        ms = report["step_ms"]
+        head.add_row("step ms: target decode / verify / drafter",
+                     " / ".join(_fmt(ms[k], ".3f") for k in ("target_decode", "target_verify", "drafter")))
+        head.add_row("speedup from step times", f"{_fmt(report['speedup_from_step_times'])}x")
     head.add_row("block size / temperature", f"{report['block_size']} / {report['temperature']:g}")
     console.print(head)
 
@@ -136,4 +155,4 @@ def render_report(report: dict[str, Any], console) -> None:
     console.print(summary_line(report), style=style)
 
 
-__all__ = ["PromptResult", "summarize", "render_report", "summary_line", "first_difference", "mismatch_detail"]
+__all__ = ["PromptResult", "summarize", "add_step_times", "render_report", "summary_line", "first_difference", "mismatch_detail"]

@@ -7,6 +7,12 @@ token for token, so any difference is reported as a failure with the prompt and 
 
 Everything a user can get wrong about the pairing (a drafter for another target) is checked from the
 two config files before any weights load, and again against the loaded target's tables.
+
+Both runs decode on a static KV cache with one CUDA graph launch per step (eval/graphed.py, the
+`decoding` package); targets whose layers are not all attention layers (recurrent / linear-attention
+hybrids) run the eager transformers path instead, and the progress output says so. The median time
+of each step kind (target decode, target verify, drafter) is reported next to the speeds, with the
+speedup they imply at the measured tau.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from typing import Any, Sequence
 import torch
 
 from dflash_pipeline.errors import DFlashError
+from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
-from dflash_pipeline.eval.report import PromptResult, summarize
+from dflash_pipeline.eval.report import PromptResult, add_step_times, summarize
 from dflash_pipeline.eval.speculative import Drafter, speculative_generate, target_generate
 from dflash_pipeline.progress import LiveLine
 
@@ -39,6 +46,7 @@ class EvalConfig:
     seed: int = 0
     dtype: str = "auto"                    # auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16
     device: str = "auto"                   # auto (cuda if available), cpu, cuda, cuda:N
+    compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
     json: bool = False                     # print the report as JSON instead of tables
 
     def __post_init__(self):
@@ -135,23 +143,29 @@ def _target_shape(config) -> tuple[int, int, int]:
 def evaluate(target: Target, drafter: Drafter, prompts: Sequence[tuple[int, Sequence[int]]], *, max_new_tokens: int,
              temperature: float, stop_ids: frozenset[int], seed: int = 0, progress: LiveLine | None = None,
              warmup: bool = True) -> dict[str, Any]:
-    """Decode every prompt with the target alone and with the drafter; the report dict of `summarize`."""
+    """Decode every prompt with the target alone and with the drafter; the report dict of `summarize`,
+    with the median step times."""
+    from dflash_pipeline.decoding.graphs import StepTimer
+
     prompts = [(int(sid), [int(t) for t in ids]) for sid, ids in prompts]
     if not prompts:
         raise DFlashError("eval: no prompts to decode")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids)
-    if warmup:  # first calls pay for allocation and kernel selection; keep that out of both timings
+    if warmup:  # first calls pay for allocation, kernel selection and graph capture: keep that out of the timings
         target_generate(target, prompts[0][1], **{**kw, "max_new_tokens": min(4, max_new_tokens)})
         speculative_generate(target, drafter, prompts[0][1], **{**kw, "max_new_tokens": min(4, max_new_tokens)})
+    timer = StepTimer(target.device)
     results: list[PromptResult] = []
     for i, (sid, ids) in enumerate(prompts):
-        base = target_generate(target, ids, generator=_generator(seed, 2 * i, target.device), **kw)
-        spec = speculative_generate(target, drafter, ids, generator=_generator(seed, 2 * i + 1, target.device), **kw)
+        base = target_generate(target, ids, generator=_generator(seed, 2 * i, target.device), timer=timer, **kw)
+        spec = speculative_generate(target, drafter, ids, generator=_generator(seed, 2 * i + 1, target.device),
+                                    timer=timer, **kw)
         results.append(PromptResult(sid, spec, base))
         if progress is not None:
             progress.update(_progress_line(results, len(prompts), greedy=temperature == 0))
     report = summarize(results, block_size=drafter.block_size, temperature=temperature,
                        greedy_checked=temperature == 0)
+    add_step_times(report, timer.summary(), "events" if target.device.type == "cuda" else "host clock")
     if progress is not None:
         progress.done()
     return report
@@ -185,6 +199,29 @@ def load_prompts(paths: list[str] | None, tokenizer, limit: int) -> list[tuple[i
     return prompts
 
 
+def make_participants(model, drafter_model, prompts, cfg: EvalConfig, progress: LiveLine):
+    """The graphed target and drafter (static caches sized for the longest prompt), or the eager ones for
+    targets the static-cache runner does not support."""
+    from dflash_pipeline.decoding.runner import unsupported_reason
+
+    layer_ids = drafter_model.config.target_layer_ids
+    block = int(cfg.block_size or drafter_model.config.block_size)
+    reason = unsupported_reason(model)
+    if reason:
+        ignored = "; --compile has no effect there" if cfg.compile else ""
+        progress.say(f"eager decoding (no static cache, no CUDA graphs): {reason}{ignored}")
+        target = Target(model, layer_ids)
+        return target, DFlashDraft(drafter_model, target, cfg.block_size)
+    max_len = max(len(ids) for _, ids in prompts) + cfg.max_new_tokens + block
+    if cfg.compile:
+        progress.say("compiling the decode, verify and drafter steps at their first calls (a minute or more)")
+    target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block, compile=cfg.compile)
+    graphs = target.runner.prepare((1, block))  # none is built later, inside a timed prompt
+    if target.runner.graphs:
+        progress.say(f"captured {graphs} CUDA graphs of the decode and verify steps")
+    return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=cfg.compile)
+
+
 def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any]:
     """Load drafter and target, check they belong together, decode the prompts; the report dict."""
     from transformers import AutoConfig, AutoTokenizer
@@ -207,15 +244,15 @@ def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any
     drafter_model = load_drafter(cfg.drafter, dtype, device)
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.num_prompts)
 
-    target = Target(model, dcfg.target_layer_ids)
+    target, drafter = make_participants(model, drafter_model, prompts, cfg, progress)
     try:
-        drafter = DFlashDraft(drafter_model, target, cfg.block_size)
         progress.say(f"decoding {len(prompts)} prompts, up to {cfg.max_new_tokens} new tokens each, "
                      f"block {drafter.block_size}, temperature {cfg.temperature:g}")
         report = evaluate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                           stop_ids=stop_token_ids(tokenizer, model), seed=cfg.seed, progress=progress)
     finally:
         target.close()
+    report["decoding"] = "graphed" if isinstance(target, GraphedTarget) else "eager"
     report["drafter"] = str(cfg.drafter)
     report["target"] = str(target_path)
     report["max_new_tokens"] = cfg.max_new_tokens

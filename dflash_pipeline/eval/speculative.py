@@ -14,8 +14,17 @@ whose target state is not known yet):
    predict the token of slot i + 1;
 3. the longest acceptable prefix of the draft is kept, plus one token from the target (the correction
    at the first rejected slot, or the bonus after the last slot);
-4. the target cache is cut back to the committed tokens (the new anchor is not in it), and the features
-   of the anchor and the accepted drafts, from that same verify forward, become the next context.
+4. the target cache is cut back to the committed tokens (the new anchor is not in it; in hybrid targets
+   the linear-attention states are restored and the committed tokens folded in again, see rollback.py),
+   and the features of the anchor and the accepted drafts, from that same verify forward, become the
+   next context.
+
+Tokens stay on the device inside a round: the draft's tokens feed the verify block, the acceptance
+rule runs on the device, and ONE transfer per round brings the accepted count, the token after them
+and the drafts to the host (plain decoding: one per token, the token and its margin). With the graphed
+target and drafter (eval/graphed.py) a round is then two graph launches, a few small copies and that
+transfer. `timer` (decoding.graphs.StepTimer) times the drafter step, the verify step and the plain
+decode step without synchronising.
 
 Legend: V vocabulary, m drafted slots used this round (k - 1), k = m + 1 verified positions, N batch
 of independent acceptance decisions (1 in the loop; larger in tests), F concatenated target features.
@@ -24,6 +33,7 @@ of independent acceptance decisions (1 in the loop; larger in tests), F concaten
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -50,16 +60,23 @@ def next_token(logits_V: torch.Tensor, temperature: float, generator: torch.Gene
     return int(sample(probs_from_logits(logits_V, temperature), generator))
 
 
-def greedy_accept(draft_m: torch.Tensor, target_k: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts n, token to commit after them) at T = 0.
+def choose(logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """`next_token` without leaving the device: a 0-d long tensor."""
+    if temperature == 0:
+        return logits_V.argmax()
+    return sample(probs_from_logits(logits_V, temperature), generator)
+
+
+def greedy_accept(draft_m: torch.Tensor, target_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts n, token to commit after them) at T = 0, as 0-d tensors on the device.
 
     target_k[i] is the target's argmax after block slot i. A draft token is kept while it equals the
     target's own choice; the first disagreement is replaced by the target's token, and if every draft
     matched, the target's token after the last slot is the bonus. Either way: target_k[n].
     """
     m = draft_m.shape[0]
-    n = int((draft_m == target_k[:m]).int().cumprod(0).sum())
-    return n, int(target_k[n])
+    n = (draft_m == target_k[:m]).long().cumprod(0).sum()
+    return n, target_k[n]
 
 
 def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
@@ -126,8 +143,10 @@ class TargetLike(Protocol):
 
     def new_cache(self): ...
 
-    def forward(self, ids: Sequence[int], start: int, cache, *, features: bool = False,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def forward(self, ids: Sequence[int] | torch.Tensor, start: int, cache, *, features: bool = False,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(fp32 logits [n, V], features [1, n, F] or None) of n new tokens at start..start+n-1; `ids` is a
+        list (the prompt) or a device tensor (a block built on the device)."""
 
     def crop(self, cache, length: int) -> None: ...
 
@@ -178,21 +197,28 @@ def _propose(draft_logits_mV: torch.Tensor, temperature: float, generator) -> tu
 
 
 def _verify(draft_m: torch.Tensor, logits_kV: torch.Tensor, q_mV: torch.Tensor | None, temperature: float,
-            generator) -> tuple[int, int]:
+            generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, token) as 0-d device tensors."""
     if draft_m.numel() == 0:  # a lone anchor: the target's next token, as plain decoding takes it
-        return 0, next_token(logits_kV[0], temperature, generator)
+        return torch.zeros((), dtype=torch.long, device=logits_kV.device), choose(logits_kV[0], temperature, generator)
     if temperature == 0:
         return greedy_accept(draft_m, logits_kV.argmax(-1))
     p = probs_from_logits(logits_kV, temperature)
     n, token = rejection_accept(draft_m[None], p[None], q_mV[None], generator)
-    return int(n[0]), int(token[0])
+    return n[0], token[0]
+
+
+@contextmanager
+def _untimed(name: str):
+    yield
 
 
 @torch.inference_mode()
 def speculative_generate(target: TargetLike, drafter: Drafter, prompt: Sequence[int], *, max_new_tokens: int,
-                         temperature: float, stop_ids: frozenset[int],
-                         generator: torch.Generator | None = None) -> Generation:
+                         temperature: float, stop_ids: frozenset[int], generator: torch.Generator | None = None,
+                         timer=None) -> Generation:
     """Block speculative decoding of one prompt; the output follows the target's own decoding rule."""
+    timer = timer or _untimed
     prompt = list(prompt)
     B = drafter.block_size
     cache = target.new_cache()
@@ -206,12 +232,17 @@ def speculative_generate(target: TargetLike, drafter: Drafter, prompt: Sequence[
         k = min(B, max_new_tokens - len(tokens))  # verified positions: never commit past max_new_tokens
         anchor = tokens[-1]
         if k > 1:
-            draft, q = _propose(drafter.draft(context, anchor, start)[: k - 1], temperature, generator)
+            with timer("drafter"):
+                draft, q = _propose(drafter.draft(context, anchor, start)[: k - 1], temperature, generator)
         else:  # the final token: nothing to draft (and no later round needs the context)
             draft, q = torch.zeros(0, dtype=torch.long, device=target.device), None
-        logits, features = target.forward([anchor, *draft.tolist()], start, cache, features=True)
+        block = torch.cat([draft.new_full((1,), anchor), draft])  # [anchor, drafts], built on the device
+        with timer("target_verify" if k > 1 else "target_decode"):
+            logits, features = target.forward(block, start, cache, features=True)
         n, token = _verify(draft, logits, q, temperature, generator)
-        committed = _until_stop([*draft[:n].tolist(), token], stop_ids)
+        # The round's one synchronisation: accepted count, the token after them, and the drafts.
+        n, token, *drafted = torch.cat([n.view(1), token.view(1), draft]).tolist()
+        committed = _until_stop([*drafted[:n], token], stop_ids)
         tokens += committed
         steps.append(Step(k - 1, n, len(committed)))
         start += n + 1
@@ -222,31 +253,46 @@ def speculative_generate(target: TargetLike, drafter: Drafter, prompt: Sequence[
     return Generation(tokens, seconds, steps)
 
 
+def _choose_on_host(logits_V: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, int, float | None]:
+    """(the next token on the device, the same on the host, at T = 0 its top-1 minus top-2 logit): one
+    synchronisation."""
+    token = choose(logits_V, temperature, generator)
+    if temperature != 0:
+        return token, int(token), None
+    top = logits_V.topk(2).values
+    tok, margin = torch.stack([token.double(), (top[0] - top[1]).double()]).tolist()
+    return token, int(tok), margin
+
+
 @torch.inference_mode()
 def target_generate(target: TargetLike, prompt: Sequence[int], *, max_new_tokens: int, temperature: float,
-                    stop_ids: frozenset[int], generator: torch.Generator | None = None) -> Generation:
+                    stop_ids: frozenset[int], generator: torch.Generator | None = None, timer=None) -> Generation:
     """Plain decoding with the target's KV cache, one token per forward: the reference output and speed."""
+    timer = timer or _untimed
     prompt = list(prompt)
     cache = target.new_cache()
     logits, _ = target.forward(prompt, 0, cache, last_only=True)
+    tokens: list[int] = []
     margins: list[float] = []
 
-    def choose(logits_V: torch.Tensor) -> int:
-        if temperature == 0:
-            top = logits_V.topk(2).values
-            margins.append(float(top[0] - top[1]))
-        return next_token(logits_V, temperature, generator)
+    def take(logits_V: torch.Tensor) -> torch.Tensor:
+        token, tok, margin = _choose_on_host(logits_V, temperature, generator)
+        tokens.append(tok)
+        if margin is not None:
+            margins.append(margin)
+        return token
 
-    tokens = [choose(logits[-1])]
+    token = take(logits[-1])
     t0 = _clock(target.device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        logits, _ = target.forward([tokens[-1]], len(prompt) + len(tokens) - 1, cache)
-        tokens.append(choose(logits[-1]))
+        with timer("target_decode"):
+            logits, _ = target.forward(token.view(1), len(prompt) + len(tokens) - 1, cache)
+        token = take(logits[-1])
     seconds = _clock(target.device) - t0
     return Generation(tokens, seconds, margins=margins)
 
 
 __all__ = [
-    "Drafter", "TargetLike", "Generation", "Step", "probs_from_logits", "sample", "next_token", "greedy_accept",
+    "Drafter", "TargetLike", "Generation", "Step", "probs_from_logits", "sample", "next_token", "choose", "greedy_accept",
     "residual", "rejection_accept", "speculative_generate", "target_generate",
 ]

@@ -2,8 +2,10 @@
 
 `config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]` plus the DFlash fields
 (`block_size` top level and in `dflash_config`, `dflash_config.mask_token_id`,
-`dflash_config.target_layer_ids`, `num_target_layers`); `model.safetensors` holds exactly the drafter's
-parameters under their module names, without the target's embedding or LM head.
+`dflash_config.target_layer_ids`, `num_target_layers`; for targets that scale embeddings or transform
+logits, as Gemma does, `dflash_config.input_embedding_scale` / `output_multiplier` /
+`final_logit_softcapping`, which the reference package applies); `model.safetensors` holds exactly the
+drafter's parameters under their module names, without the target's embedding or LM head.
 
 Files are written under temporary names and renamed into place, weights first and config last, so a
 crash never leaves a folder that looks complete.
@@ -61,6 +63,14 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
             "target_layer_ids": list(cfg.target_layer_ids),
         },
     }
+    # The target's embedding scale and logit transform, under the names `dflash_generate` reads; without
+    # them it embeds a Gemma block unscaled and drafts other tokens than the drafter was trained to.
+    if cfg.embedding_scale != 1.0:
+        d["dflash_config"]["input_embedding_scale"] = cfg.embedding_scale
+    if cfg.logit_scale is not None:
+        d["dflash_config"]["output_multiplier"] = cfg.logit_scale
+    if cfg.final_logit_softcapping:
+        d["dflash_config"]["final_logit_softcapping"] = cfg.final_logit_softcapping
     if sliding and not cfg.sliding_causal:
         d["is_causal"] = False  # the reference applies this to every layer; full layers are bidirectional anyway
     return d
@@ -91,6 +101,9 @@ def config_from_hf_dict(d: dict) -> DrafterConfig:
             layer_types=layer_types,
             sliding_window=d.get("sliding_window") if sliding else None,
             sliding_causal=d.get("is_causal") is not False,
+            embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+            logit_scale=dflash.get("output_multiplier"),
+            final_logit_softcapping=dflash.get("final_logit_softcapping"),
         )
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a DFlash drafter config: {e!r}") from e

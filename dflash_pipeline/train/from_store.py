@@ -44,7 +44,8 @@ def drafter_config_for(model: ModelConfig, reader: StoreReader) -> DrafterConfig
         mask_token_id=mask_id, target_layer_ids=layer_ids, num_target_layers=attrs["num_layers"],
         rms_norm_eps=attrs.get("rms_norm_eps") or tc.get("rms_norm_eps") or 1e-6, rope_theta=float(rope),
         max_position_embeddings=tc.get("max_position_embeddings", 32768), layer_types=layer_types,
-        sliding_window=model.sliding_window,
+        sliding_window=model.sliding_window, embedding_scale=float(attrs.get("embedding_scale") or 1.0),
+        logit_scale=attrs.get("logit_scale"), final_logit_softcapping=attrs.get("final_logit_softcapping"),
     )
 
 

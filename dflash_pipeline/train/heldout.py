@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_pipeline.decoding.tree import walk_sequence
 from dflash_pipeline.train.blocks import anchor_candidates
 from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.model import DrafterConfig
-from dflash_pipeline.train.step import Frozen, run_blocks
+from dflash_pipeline.train.metrics import slot_accuracies
+from dflash_pipeline.train.step import TOPK_ACCURACY, Frozen, run_blocks
 
 
 @dataclass
@@ -39,27 +41,6 @@ class HeldoutSet:
     world: int = 1              # ranks whose sums are added together (all-reduce) before the ratios
 
 
-def chain_walk(runs: np.ndarray, candidates: np.ndarray) -> tuple[int, int]:
-    """(verification steps, tokens committed) of greedy decoding along one sequence.
-
-    runs[p]: correct drafted slots in a row from anchor p; candidates[p]: p can be an anchor. A
-    position that cannot be an anchor (end of an assistant turn) ends a generation; the walk resumes
-    at the next candidate, as a new generation would.
-    """
-    steps = committed = 0
-    T = len(runs)
-    nxt = np.full(T + 1, T, dtype=np.int64)
-    for p in range(T - 1, -1, -1):
-        nxt[p] = p if candidates[p] else nxt[p + 1]
-    p = nxt[0]
-    while p < T:
-        r = max(int(runs[p]), 0)
-        steps += 1
-        committed += r + 1
-        p = nxt[min(p + r + 1, T)]
-    return steps, committed
-
-
 @torch.no_grad()
 def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     """Loss, accuracy, the random-anchor streak and `tau_chain` over the held-out samples, summed over
@@ -67,7 +48,8 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     dcfg, device, max_anchors = held.drafter, held.device, held.max_anchors
     B = dcfg.block_size
     # sums: ce*labels, labels, streak, blocks, chain steps, chain committed, samples
-    v = torch.zeros(7 + 2 * B, dtype=torch.float64, device=device)
+    J = len(TOPK_ACCURACY)
+    v = torch.zeros(7 + (2 + J) * B, dtype=torch.float64, device=device)
     for row in held.rows:
         s = held.reader.read_sample(int(row), layers=dcfg.target_layer_ids)
         T = len(s.tokens_T)
@@ -91,9 +73,10 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
             v[2] += out.streak_sum.double()
             v[3] += out.blocks.double()
             v[7:7 + B] += out.correct_B.double()
-            v[7 + B:] += out.count_B.double()
+            v[7 + B:7 + 2 * B] += out.count_B.double()
+            v[7 + 2 * B:] += out.topk_correct_JB.flatten().double()
             runs[anchors[0].numpy()] = out.run_RA[0].cpu().numpy()
-        steps, committed = chain_walk(runs, cands.numpy())
+        steps, committed = walk_sequence(runs, cands.numpy())
         v[4] += steps
         v[5] += committed
         v[6] += 1
@@ -101,11 +84,11 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         import torch.distributed as dist
 
         dist.all_reduce(v)
-    correct, count = v[7:7 + B], v[7 + B:]
+    v = v.cpu()
+    correct, count, topk = v[7:7 + B], v[7 + B:7 + 2 * B], v[7 + 2 * B:].view(J, B)
     return {
         "loss": float(v[0] / v[1].clamp_min(1)),      # unweighted CE per labelled slot
-        "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
-        "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
+        **slot_accuracies(correct, topk, count),
         "streak": float(v[2] / v[3].clamp_min(1)),   # every anchor: the random-anchor style estimate
         "tau_chain": float(v[5] / v[4].clamp_min(1)),
         "samples": int(v[6]),
@@ -113,4 +96,4 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     }
 
 
-__all__ = ["HeldoutSet", "chain_walk", "heldout_estimate"]
+__all__ = ["HeldoutSet", "heldout_estimate"]

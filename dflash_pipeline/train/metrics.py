@@ -17,15 +17,31 @@ import torch
 
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.progress import fmt_count, fmt_duration
-from dflash_pipeline.train.step import flops_from_totals
+from dflash_pipeline.train.step import TOPK_ACCURACY, flops_from_totals
 
 PEAK_BF16_FLOPS = 790e12   # measured bf16 matmul peak of one H200 (see BENCHMARKS.md)
+
+
+def slot_accuracies(correct_B: torch.Tensor, topk_correct_JB: torch.Tensor, count_B: torch.Tensor) -> dict[str, Any]:
+    """Top-1 and top-k accuracy over the drafted slots 1..B-1, pooled and per slot (host tensors).
+
+    Top-k (k in TOPK_ACCURACY) is how often a tree offering k tokens at a slot holds the label there."""
+    n = count_B[1:].sum().clamp_min(1)
+    out: dict[str, Any] = {
+        "acc": float(correct_B[1:].sum() / n),
+        "acc_per_pos": [round(float(c / max(m, 1)), 4) for c, m in zip(correct_B[1:], count_B[1:])],
+    }
+    for k, hits_B in zip(TOPK_ACCURACY, topk_correct_JB):
+        out[f"acc_top{k}"] = float(hits_B[1:].sum() / n)
+        out[f"acc_top{k}_per_pos"] = [round(float(c / max(m, 1)), 4) for c, m in zip(hits_B[1:], count_B[1:])]
+    return out
 
 
 class IntervalMetrics:
     """Sums over a logging interval, kept on the device (no host sync per step), reduced over ranks
     when logged. Slots of `v`: loss, ce, kl, cap, streak sum, blocks, labelled slots, then correct and
-    labelled counts per block slot; the counts known on the host (tokens, attention pairs) beside it."""
+    labelled counts per block slot, then top-k hits per slot for each k of TOPK_ACCURACY; the counts known
+    on the host (tokens, attention pairs) beside it."""
 
     def __init__(self, device, dcfg):
         self.device, self.dcfg, self.B = device, dcfg, dcfg.block_size
@@ -33,7 +49,7 @@ class IntervalMetrics:
 
     def clear(self):
         self.t0 = time.time()
-        self.v = torch.zeros(7 + 2 * self.B, dtype=torch.float64, device=self.device)
+        self.v = torch.zeros(7 + (2 + len(TOPK_ACCURACY)) * self.B, dtype=torch.float64, device=self.device)
         self.grad_norm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.steps = self.micro = 0
         self.input_tokens = self.block_tokens = self.context_tokens = 0
@@ -45,7 +61,8 @@ class IntervalMetrics:
         self.v[:7] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
                                    out.streak_sum.double(), out.blocks.double(), out.count_B.sum().double()])
         self.v[7:7 + B] += out.correct_B.double()
-        self.v[7 + B:] += out.count_B.double()
+        self.v[7 + B:7 + 2 * B] += out.count_B.double()
+        self.v[7 + 2 * B:] += out.topk_correct_JB.flatten().double()
         self.attn_pairs += out.attn_pairs
         self.input_tokens += out.input_tokens
         self.block_tokens += out.block_tokens
@@ -67,13 +84,13 @@ class IntervalMetrics:
         dt = max(time.time() - self.t0, 1e-9)
         micro = max(self.micro, 1) * world
         B = self.B
-        correct, count = v[7:7 + B], v[7 + B:7 + 2 * B]
-        input_tokens, block_tokens, context_tokens, attn_pairs, grad_norm = (float(x) for x in v[7 + 2 * B:])
+        J = len(TOPK_ACCURACY)
+        correct, count, topk = v[7:7 + B], v[7 + B:7 + 2 * B], v[7 + 2 * B:7 + (2 + J) * B].view(J, B)
+        input_tokens, block_tokens, context_tokens, attn_pairs, grad_norm = (float(x) for x in v[7 + (2 + J) * B:])
         flops = flops_from_totals(self.dcfg, block_tokens=block_tokens, context_tokens=context_tokens,
                                   attn_pairs=attn_pairs, labelled=float(v[6]))
         return {"loss": float(v[0] / micro), "ce": float(v[1] / micro), "kl": float(v[2] / micro),
-                "cap": float(v[3] / micro), "acc": float(correct[1:].sum() / count[1:].sum().clamp_min(1)),
-                "acc_per_pos": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[1:], count[1:])],
+                "cap": float(v[3] / micro), **slot_accuracies(correct, topk, count),
                 "streak": float(v[4] / v[5].clamp_min(1)), "grad_norm": grad_norm / max(self.steps * world, 1),
                 "input_tok_s": input_tokens / dt, "block_tok_s": block_tokens / dt, "flops_per_s": flops / dt}
 
@@ -83,6 +100,7 @@ def render_train_line(rec: dict[str, Any], total: int) -> str:
     mem = f" mem {rec['peak_mem_gb']:.1f}G" if rec.get("peak_mem_gb") is not None else ""
     parts = f"ce {rec['ce']:.3f}" + (f" kl {rec['kl']:.3f}" if rec["kl"] else "") + (f" cap {rec['cap']:.3f}" if rec["cap"] else "")
     return (f"step {rec['step']}/{total} ep {rec['epoch']:.2f} | loss {rec['loss']:.3f} ({parts}) acc {rec['acc']:.3f} "
+            f"top{TOPK_ACCURACY[0]} {rec[f'acc_top{TOPK_ACCURACY[0]}']:.3f} "
             f"streak {rec['streak']:.2f} | lr {rec['lr']:.2e} gn {rec['grad_norm']:.2f} | "
             f"{fmt_count(rec['input_tok_s'])} tok/s {fmt_count(rec['block_tok_s'])} blk/s{mfu} | "
             f"data-wait {rec['data_wait_frac']:.1%}{mem} | ETA {fmt_duration(rec['eta_s'])}")
@@ -126,4 +144,4 @@ class Trackers:
             self.tb.close()
 
 
-__all__ = ["PEAK_BF16_FLOPS", "IntervalMetrics", "Trackers", "render_eval_line", "render_train_line"]
+__all__ = ["PEAK_BF16_FLOPS", "IntervalMetrics", "Trackers", "render_eval_line", "render_train_line", "slot_accuracies"]

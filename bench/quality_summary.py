@@ -1,0 +1,252 @@
+"""The tables of `bench/quality.py`, built from the JSON its parts wrote (nothing is measured here).
+
+Every cell names where it comes from: `dflash eval` JSON (real tau, speedup, losslessness), the training
+run's summary.json (the held-out greedy-chain estimate `tau_chain`, accuracy per slot) and metrics.jsonl
+(tokens/s), the stores' `store stats` and extraction run records, the SpecForge and online runs' JSON.
+A missing input leaves its cell as "-", so the summary works on any subset of finished parts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+GOAL_TAU, GOAL_REGEN_RATIO, GOAL_FP8_REL, GOAL_EST_REL = 3.0, 1.5, 0.02, 0.10
+
+
+def _f(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def train_speed(run_dir: Path) -> float | None:
+    """Median input tokens/s of a run's logged intervals after the first (start-up, compilation)."""
+    try:
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except OSError:
+        return None
+    tok = sorted(r["input_tok_s"] for r in [r for r in recs if r.get("type") == "train"][1:])
+    return tok[len(tok) // 2] if tok else None
+
+
+def run_row(b, name: str) -> dict[str, Any]:
+    """Everything the tables show about one trained drafter."""
+    from quality import read_eval, run_summary
+
+    s = run_summary(b.run_dir(name))
+    ev = s.get("eval") or {}
+    row: dict[str, Any] = {"run": name, "steps": s.get("step"), "train_s": s.get("seconds"),
+                           "tau_est": ev.get("tau_chain"), "acc1": (ev.get("acc_per_pos") or [None])[0],
+                           "acc": ev.get("acc"), "train_tok_s": train_speed(b.run_dir(name))}
+    try:
+        cfg = json.loads((b.run_dir(name) / "config.json").read_text())
+        row["block"] = cfg["train"]["block_size"]
+        row["store"] = Path(cfg["store"]["url"]).name
+        row["tokens_trained"] = (s.get("step") or 0) * cfg["train"]["tokens_per_batch"]
+        row["epochs"] = (s.get("step") or 0) / max(cfg.get("steps_per_epoch") or 1, 1)
+    except (OSError, ValueError, KeyError):
+        pass
+    for prompt_set, temps in (("chat", b.plan.temperatures), ("code", (0.0,))):
+        for t in temps:
+            e = read_eval(b.eval_file(name, prompt_set, t))
+            if e is not None:
+                row[f"tau_{prompt_set}_T{t:g}"] = e.get("tau")
+                row[f"lossless_{prompt_set}_T{t:g}"] = e.get("lossless")
+    alone = read_eval(b.eval_file(name, "chat", 0.0, alone=True))
+    if alone is not None:
+        row["speedup_alone"] = alone.get("speedup")
+        row["tok_s_alone"] = (alone.get("tok_s_spec"), alone.get("tok_s_target"))
+    real = row.get("tau_chat_T0")
+    if real and row.get("tau_est"):
+        row["est_over_real"] = row["tau_est"] / real
+    return row
+
+
+def _recipe_rows(b, names: list[str]) -> list[list[Any]]:
+    from quality import RECIPES
+
+    out = []
+    for n in names:
+        r = run_row(b, n)
+        if n in RECIPES:
+            settings = ", ".join(f"{k}={v}" for k, v in b.recipe_args(n).items()) or "CE, gamma 7"
+        else:
+            settings = f"store {r.get('store', '-')}"
+        out.append([n, settings, _f(r.get("acc1"), ".3f"), _f(r.get("tau_est")),
+                    _f(r.get("tau_chat_T0")), _f(r.get("est_over_real")), _f(r.get("tau_chat_T1")),
+                    _f(r.get("tau_code_T0")), _f(r.get("speedup_alone")), _lossless(r),
+                    _f(r.get("train_tok_s"), ",.0f")])
+    return out
+
+
+def _lossless(r: dict[str, Any]) -> str:
+    vals = [v for k, v in r.items() if k.startswith("lossless_") and v is not None]
+    return "-" if not vals else ("yes" if all(vals) else "NO")
+
+
+def store_rows(b) -> tuple[list[list[Any]], dict[str, Any]]:
+    from quality import STORES
+
+    data = b.read("data")
+    rows, recs = [], {}
+    for name in STORES:
+        f = b.root / "stores" / f"{name}.json"
+        if not f.exists():
+            rows.append([name] + ["-"] * 7)
+            continue
+        rec = json.loads(f.read_text())
+        recs[name] = rec
+        st, rr = rec.get("stats", {}), rec.get("run_record", {})
+        rows.append([name, _f(st.get("samples"), ","), _f(st.get("tokens"), ","), _f(st.get("bytes_per_token"), ",.0f"),
+                     _f((st.get("bytes_on_disk") or 0) / 2 ** 30, ".1f"), _f(rr.get("seconds"), ".0f"),
+                     _f(rr.get("tokens_per_second"), ",.0f"), _f(rec.get("teacher_top1_agreement"), ".3f")])
+    return rows, {"stores": recs, "data": data}
+
+
+def build_summary(b) -> tuple[str, dict[str, Any]]:
+    from quality import RECIPES, best_run
+
+    out: list[str] = [f"# Drafter quality: {'SMOKE (CPU, tiny)' if b.smoke else 'SmolLM2-135M-Instruct'}", ""]
+    rec: dict[str, Any] = {"smoke": b.smoke}
+    data = b.read("data")
+    orig = b.read("inputs").get("orig", {})
+    gen = _generate_record(b)
+    out += [f"Data: {orig.get('conversations', '-')} first exchanges of the embedded ShareGPT train split "
+            f"(prompts <= {b.plan.max_prompt_tokens} tokens; mean prompt {_f(orig.get('mean_prompt_tokens'), '.0f')}, "
+            f"original reply {_f(orig.get('mean_reply_tokens'), '.0f')} tokens); regenerated by "
+            f"{data.get('regen_backend', '-')} (greedy, up to {b.plan.max_new_tokens} new tokens) in "
+            f"{_f((data.get('jobs', {}).get('generate') or data.get('hf_generate') or {}).get('seconds'), '.0f')} s"
+            + (f" ({_f(gen.get('tokens_per_second'), ',.0f')} new tok/s; {gen.get('total', {}).get('truncated', '-')} "
+               f"replies truncated)" if gen else "") + ".", ""]
+    rows, rec["stores"] = store_rows(b)
+    out += ["## Stores", _table(["store", "samples", "tokens", "bytes/token", "GiB", "extract s", "extract tok/s",
+                                 "target top-1 = next token"], rows), ""]
+
+    best = best_run(b)
+    rec["best"] = best
+    recipe_names = [n for n in RECIPES if (b.run_dir(n) / "summary.json").exists()]
+    head = ["run", "settings", "held-out acc slot 1", "held-out tau (est.)", "real tau chat T=0", "est/real",
+            "real tau chat T=1", "real tau code T=0", "speedup (alone)", "lossless", "train tok/s"]
+    out += [f"## Recipes on the regenerated bf16 store, {b.plan.steps} steps each (best: {best})",
+            _table(head, _recipe_rows(b, recipe_names)), ""]
+    rec["recipes"] = {n: run_row(b, n) for n in recipe_names}
+
+    if best:
+        var = [n for n in (best, f"{best}@orig", f"{best}@fp8") if (b.run_dir(n) / "summary.json").exists()]
+        out += [f"## The best recipe ({best}) on other data", _table(head, _recipe_rows(b, var)), ""]
+        rec["variants"] = {n: run_row(b, n) for n in var}
+        curve = sorted([n for n in _runs_like(b, f"{best}@steps")] + [best],
+                       key=lambda n: run_row(b, n).get("steps") or 0)
+        out += ["## Learning curve", _table(["run", "steps", "tokens trained", "epochs", "held-out acc slot 1",
+                                              "held-out tau (est.)", "real tau chat T=0", "real tau chat T=1"],
+                                             [[n, _f(r.get("steps"), ","), _f(r.get("tokens_trained"), ","),
+                                               _f(r.get("epochs")), _f(r.get("acc1"), ".3f"), _f(r.get("tau_est")),
+                                               _f(r.get("tau_chat_T0")), _f(r.get("tau_chat_T1"))]
+                                              for n in curve for r in [run_row(b, n)]]), ""]
+        rec["curve"] = {n: run_row(b, n) for n in curve}
+    out += _specforge_section(b, rec)
+    out += _online_section(b, rec)
+    out += _goals(b, rec)
+    return "\n".join(out) + "\n", rec
+
+
+def _generate_record(b) -> dict[str, Any]:
+    try:
+        return json.loads(b.data("regen.done").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _runs_like(b, prefix: str) -> list[str]:
+    return [p.name for p in (b.root / "runs").glob(f"{prefix}*") if (p / "summary.json").exists()]
+
+
+def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
+    sf_dir = b.run_dir("specforge-ce")
+    if not (sf_dir / "summary.json").exists():
+        return []
+    sf = json.loads((sf_dir / "summary.json").read_text())
+    ours, theirs = run_row(b, "ce"), run_row(b, "specforge-ce")
+    ours_speed = train_speed(b.run_dir("speed-ce"))
+    sf_speed = (sf.get("steady") or {}).get("input_tok_s")
+    rows = [["ours (`dflash train`, recipe ce)", _f(ours.get("steps"), ","), _f(ours.get("tau_est")),
+             _f(ours.get("tau_chat_T0")), _f(ours.get("tau_chat_T1")), _f(ours.get("tau_code_T0")),
+             _f(ours_speed, ",.0f")],
+            ["SpecForge 0.2 (OnlineDFlashModel)", _f(theirs.get("steps"), ","), _f(theirs.get("tau_est")),
+             _f(theirs.get("tau_chat_T0")), _f(theirs.get("tau_chat_T1")), _f(theirs.get("tau_code_T0")),
+             _f(sf_speed, ",.0f")]]
+    ratio = ours_speed / sf_speed if ours_speed and sf_speed else None
+    rec["specforge"] = {"ours": ours, "specforge": theirs, "ours_tok_s_alone": ours_speed, "specforge_tok_s_alone": sf_speed,
+                        "speed_ratio": ratio, "differences": sf.get("differences")}
+    return ["## Side by side with SpecForge (same store, batches, steps, lr schedule, block 16, CE + decay)",
+            _table(["trainer", "steps", "held-out tau (est.)", "real tau chat T=0", "real tau chat T=1",
+                    "real tau code T=0", "input tok/s, alone"], rows),
+            f"Our steps are {_f(ratio)}x SpecForge's speed (steady state, each alone on the GPU). SpecForge "
+            f"keeps its own optimizer details: {sf.get('differences')}.", ""]
+
+
+def _online_section(b, rec: dict[str, Any]) -> list[str]:
+    f = b.run_dir("online") / "online.json"
+    if not f.exists():
+        return []
+    on = json.loads(f.read_text())
+    modes = on.get("modes", {})
+    rows = [[m, _f(v["step_s"] * 1e3, ".1f"), _f(v.get("target_s_per_step", 0) * 1e3, ".1f"), _f(v["input_tok_s"], ",.0f")]
+            for m, v in modes.items()]
+    out = ["## Online (target forward in every step) against offline (the store), same batches, one process",
+           _table(["mode", "ms/step", "target forward ms/step", "input tok/s"], rows)]
+    best = b.read("online").get("recipe")
+    steps = (run_row(b, best).get("steps") if best else None) or b.plan.steps
+    store = (rec.get("stores", {}).get("stores", {}) or {}).get("regen-bf16", {})
+    extract_s = (store.get("run_record") or {}).get("seconds")
+    data = b.read("data")
+    gen_s = (data.get("jobs", {}).get("generate") or data.get("hf_generate") or {}).get("seconds")
+    if "offline" in modes and "online" in modes:
+        off = (extract_s or 0) + steps * modes["offline"]["step_s"]
+        onl = steps * modes["online"]["step_s"]
+        rec["online"] = {"modes": modes, "steps": steps, "extract_s": extract_s, "generate_s": gen_s,
+                         "offline_total_s": off, "online_total_s": onl}
+        out.append(f"For the {steps} steps of recipe {best}: offline = extract {_f(extract_s, '.0f')} s + train "
+                   f"{_f(steps * modes['offline']['step_s'], '.0f')} s = **{_f(off, '.0f')} s**; online = "
+                   f"**{_f(onl, '.0f')} s** (both after generating the data, {_f(gen_s, '.0f')} s). Each further "
+                   f"epoch costs online the target's forward again; offline reads the store.")
+    return out + [""]
+
+
+def _goals(b, rec: dict[str, Any]) -> list[str]:
+    goals = []
+    best = rec.get("best")
+    r16 = [r for r in rec.get("recipes", {}).values() if r.get("block") == 16 and r.get("tau_chat_T0")]
+    top16 = max(r16, key=lambda r: r["tau_chat_T0"]) if r16 else {}
+    goals.append(("real tau (T=0, block 16, chat) >= 3.0", top16.get("tau_chat_T0"),
+                  (top16.get("tau_chat_T0") or 0) >= GOAL_TAU, f"{top16.get('run')}"))
+    alone = [r for r in rec.get("recipes", {}).values() if r.get("speedup_alone")]
+    goals.append(("real speedup > 1 (best, alone)", alone[0]["speedup_alone"] if alone else None,
+                  bool(alone) and alone[0]["speedup_alone"] > 1, alone[0]["run"] if alone else ""))
+    sf = rec.get("specforge", {})
+    if sf:
+        o, t = sf["ours"].get("tau_chat_T0"), sf["specforge"].get("tau_chat_T0")
+        same = o is not None and t is not None and o >= t * 0.98
+        goals.append(("ours (ce) tau >= SpecForge's (T=0 chat)", f"{_f(o)} vs {_f(t)}", same, "within 2% counts as equal"))
+        goals.append(("our steps faster than SpecForge's", sf.get("speed_ratio"), (sf.get("speed_ratio") or 0) > 1, ""))
+    var = rec.get("variants", {})
+    if best and best in var:
+        base, orig, fp8 = var[best].get("tau_chat_T0"), var.get(f"{best}@orig", {}).get("tau_chat_T0"), \
+            var.get(f"{best}@fp8", {}).get("tau_chat_T0")
+        ratio = base / orig if base and orig else None
+        goals.append(("regenerated / original tau >= 1.5", ratio, (ratio or 0) >= GOAL_REGEN_RATIO, ""))
+        rel = abs(fp8 - base) / base if base and fp8 else None
+        goals.append(("fp8 within 2% of bf16 tau", rel, rel is not None and rel <= GOAL_FP8_REL, "relative difference"))
+    ests = [r for r in rec.get("recipes", {}).values() if r.get("est_over_real")]
+    worst = max(ests, key=lambda r: abs(r["est_over_real"] - 1)) if ests else {}
+    goals.append(("held-out estimate within 10% of real tau (recipes, worst)", worst.get("est_over_real"),
+                  bool(ests) and abs(worst["est_over_real"] - 1) <= GOAL_EST_REL, worst.get("run", "")))
+    rec["goals"] = [{"goal": g, "value": v, "met": m, "note": n} for g, v, m, n in goals]
+    rows = [[g, v if isinstance(v, str) else _f(v, ".3f"), "met" if m else "**missed**", n] for g, v, m, n in goals]
+    return ["## Goals", _table(["goal", "value", "", "note"], rows), ""]

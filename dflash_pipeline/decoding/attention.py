@@ -1,0 +1,176 @@
+"""Attention over a static KV cache, plugged into transformers as an attention function.
+
+Why this design: transformers' own static cache changed its API between the versions we run on
+(5.17 on the GPU image, 5.24 here) and failed under `torch.compile(mode="reduce-overhead")` on 5.17
+(its `cumulative_length` update read a graph output that a later replay had overwritten). Instead the
+model runs with no cache at all (`past_key_values=None`, `use_cache=False`), and the attention function
+registered here under `STATIC_ATTENTION` owns the cache: each layer (by `module.layer_idx`) writes its
+new keys and values (already RoPE'd by the model) into static buffers at the slots the runner chose,
+and attends to those buffers with a mask the runner built from per-row lengths. The model's own code
+still computes everything else (norms, RoPE at the positions we pass, Gemma's embedding scale and
+query scaling, logit soft-capping), so any model that calls the attention interface runs unchanged.
+No mask function is registered under our name: transformers then builds no mask at all (both versions
+return early for attention implementations without one), which also skips its packed-sequence check,
+a host sync.
+
+Slots and positions are separate: a row's committed tokens sit at cache slots [0, len); a step writes
+its q tokens at slots [len, len + q), at RoPE positions len + offset (offset = index in the block for
+a chain, depth for a tree, so siblings share a position), and query i sees committed slots plus block
+slots j where `block_mask[i, j]` (causal by default; an ancestor mask for trees). Sliding windows are
+decided by positions (query position - key position < W, as transformers' overlay does).
+
+GQA without repeated K/V: the g query heads of one KV head are folded into the query length
+([R, h, q, D] -> [R, h_kv, g*q, D]), so one SDPA call reads each KV head once, and the folded mask
+is a plain [R, 1, g*q, S] additive bias that the memory-efficient kernel takes.
+
+Legend: R rows in the call, q new tokens per row, S attended cache slots, h query heads, hk KV heads,
+g = h / hk, D head dim.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+
+from dflash_pipeline.train.masks import attend
+
+STATIC_ATTENTION = "static_kv"  # no "flash" in the name: transformers reads that as a flash kernel
+_ACTIVE = threading.local()
+
+
+class StaticKV:
+    """Key and value buffers of every layer, [layers, rows, hk, slots, D] each: the whole cache,
+    allocated once. One tensor per kind, indexed by the layer number, so that a compiled layer reads
+    its buffer with the same code whatever its index."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, rows, kv_heads, slots, head_dim)
+        self.keys_L = torch.zeros(shape, dtype=dtype, device=device)
+        self.values_L = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots, self.kv_heads, self.head_dim, self.dtype = slots, kv_heads, head_dim, dtype
+
+    def copy_slots(self, row: int, src_n: torch.Tensor, dst_n: torch.Tensor) -> None:
+        """Move the entries of one row's slots `src_n` to slots `dst_n` in every layer."""
+        for buf in (self.keys_L, self.values_L):
+            buf[:, row].index_copy_(2, dst_n, buf[:, row].index_select(2, src_n))
+
+
+def target_visible(lengths_R: torch.Tensor, block_mask_Rqq: torch.Tensor, slots: int) -> torch.Tensor:
+    """[R, q, S] bool: query i of row r sees committed slots (< len_r) and block slots len_r + j where
+    block_mask[r, i, j]; nothing else (stale slots past the block are invisible)."""
+    R, q, _ = block_mask_Rqq.shape
+    slot_S = torch.arange(slots, device=lengths_R.device)
+    rel_RS = slot_S[None] - lengths_R[:, None]
+    committed_RS = rel_RS < 0
+    in_block_RS = (rel_RS >= 0) & (rel_RS < q)
+    in_block_RqS = block_mask_Rqq.gather(2, rel_RS.clamp(0, q - 1)[:, None, :].expand(R, q, slots))
+    return committed_RS[:, None, :] | (in_block_RqS & in_block_RS[:, None, :])
+
+
+def fold_mask(visible_RqS: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias [R, 1, g*q, S] of folded queries (index j*q + t = group j, query t)."""
+    R, q, S = visible_RqS.shape
+    vis = visible_RqS[:, None].expand(R, groups, q, S).reshape(R, 1, groups * q, S)
+    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
+
+
+def folded_attention(query_RhqD: torch.Tensor, key_RkSD: torch.Tensor, value_RkSD: torch.Tensor,
+                     bias_R1GS: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of h query heads over hk KV heads without repeating K/V; returns [R, q, h, D]."""
+    R, h, q, D = query_RhqD.shape
+    hk = key_RkSD.shape[1]
+    g = h // hk
+    q_RkGD = query_RhqD.reshape(R, hk, g * q, D)
+    if softcap:  # SDPA has no soft-capping (Gemma 2): the same math written out, softmax in fp32
+        scores = torch.matmul(q_RkGD, key_RkSD.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + bias_R1GS
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value_RkSD.dtype)
+        out = torch.matmul(probs, value_RkSD)
+    else:
+        out = attend(q_RkGD, key_RkSD, value_RkSD, bias_R1GS, scale)
+    return out.view(R, hk, g, q, D).reshape(R, h, q, D).transpose(1, 2)
+
+
+class StepState:
+    """Where one forward over some rows writes, and what each of its queries may see.
+
+    Built at the start of a step (inside the captured graph on CUDA): the slots and positions of the
+    new tokens, their positions recorded per slot (for sliding windows), and one additive mask per
+    sliding window the model's layers use (`windows`, None = full attention), shared by those layers.
+    Everything a layer reads is made here, before the model runs, so that a compiled layer finds the
+    same structure at every call.
+    """
+
+    def __init__(self, kv: StaticKV, rows: slice, lengths_R: torch.Tensor, offsets_Rq: torch.Tensor,
+                 block_mask_Rqq: torch.Tensor, slot_pos_RS: torch.Tensor, slots: int, *, groups: int,
+                 windows: Iterable[int | None] = (None,), capture=None):
+        R, q = offsets_Rq.shape
+        self.kv, self.rows, self.slots, self.groups, self.capture = kv, rows, slots, groups, capture
+        write_Rq = lengths_R[:, None] + torch.arange(q, device=lengths_R.device)
+        self.pos_Rq = lengths_R[:, None] + offsets_Rq
+        slot_pos_RS.scatter_(1, write_Rq, self.pos_Rq)
+        self.slot_pos_RS = slot_pos_RS[:, :slots]
+        self.visible_RqS = target_visible(lengths_R, block_mask_Rqq, slots)
+        self.index_RkqD = write_Rq[:, None, :, None].expand(R, kv.kv_heads, q, kv.head_dim)
+        self.masks = {w: self._mask(w) for w in set(windows)}
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        vis = self.visible_RqS
+        if window is not None:
+            vis = vis & (self.pos_Rq[:, :, None] - self.slot_pos_RS[:, None, :] < window)
+        return fold_mask(vis, self.groups, self.kv.dtype)
+
+    def write(self, layer: int, key_RkqD: torch.Tensor, value_RkqD: torch.Tensor):
+        """Store the new keys/values at the step's slots; the layer's attended K and V [R, hk, S, D]."""
+        k_buf = self.kv.keys_L[layer][self.rows]
+        v_buf = self.kv.values_L[layer][self.rows]
+        k_buf.scatter_(2, self.index_RkqD, key_RkqD.to(k_buf.dtype))
+        v_buf.scatter_(2, self.index_RkqD, value_RkqD.to(v_buf.dtype))
+        return k_buf[:, :, :self.slots], v_buf[:, :, :self.slots]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:  # a window the runner did not foresee: made once, then shared
+            self.masks[window] = self._mask(window)
+        return self.masks[window]
+
+
+@contextmanager
+def active(state: StepState):
+    """Make `state` the one the attention function and the feature hooks of this thread use."""
+    prev = getattr(_ACTIVE, "state", None)
+    _ACTIVE.state = state
+    try:
+        yield state
+    finally:
+        _ACTIVE.state = prev
+
+
+def active_state() -> StepState | None:
+    return getattr(_ACTIVE, "state", None)
+
+
+def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                     softcap=None, **kwargs):
+    """The transformers attention function (signature of its interface); `attention_mask` is ignored."""
+    state = active_state()
+    if state is None:
+        raise RuntimeError(f"attention '{STATIC_ATTENTION}' runs only inside a DecodingRunner step")
+    k_all, v_all = state.write(module.layer_idx, key, value)
+    bias = state.mask(sliding_window).to(query.dtype)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return folded_attention(query, k_all, v_all, bias, scale, softcap), None
+
+
+def register() -> None:
+    """Register the attention function (idempotent). No mask function on purpose: see the docstring."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(STATIC_ATTENTION, static_attention)
+
+
+__all__ = ["STATIC_ATTENTION", "StaticKV", "StepState", "active", "active_state", "target_visible", "fold_mask",
+           "folded_attention", "static_attention", "register"]

@@ -1,0 +1,112 @@
+"""Capture once, replay many: a step as one CUDA graph launch, and per-step timers.
+
+A `GraphedStep` wraps a function of no arguments that reads and writes only static buffers (its
+inputs are written into buffers before a call, its outputs copied into buffers inside it). On CUDA the
+first call warms it up on a side stream (kernel selection, lazy allocations, cuBLAS workspaces), then
+captures it; every call after that is one `graph.replay()`. Elsewhere it is the function itself, so
+the CPU tests run the same code the GPU replays.
+
+Graphs of one runner share a memory pool: they replay one at a time on one stream, and none of them
+leaves a live tensor in the pool (outputs live in buffers allocated outside any capture), so a later
+capture may reuse an earlier one's temporaries.
+
+`StepTimer` times named steps without synchronising: CUDA events recorded around each call, read at
+the end; the host clock on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+
+class GraphedStep:
+    def __init__(self, fn: Callable[[], None], device: torch.device, pool=None, enabled: bool | None = None,
+                 warmup: int = 2):
+        self.fn, self.device, self.pool, self.warmup = fn, device, pool, warmup
+        self.enabled = device.type == "cuda" if enabled is None else enabled
+        self.graph = None
+
+    def __call__(self) -> None:
+        if not self.enabled:
+            self.fn()
+        elif self.graph is None:
+            self._capture()
+            self.graph.replay()  # the warm-up runs are not the call: run it once more, as a replay
+        else:
+            self.graph.replay()
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.fn()
+        self.graph = graph
+
+
+def new_pool(device: torch.device):
+    """A memory pool for the graphs of one runner (None off CUDA)."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+
+class StepTimer:
+    """Milliseconds per named step: events on CUDA (no sync until `summary`), host clock elsewhere."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.cuda = device.type == "cuda"
+        self.enabled = enabled
+        self._events: dict[str, list] = {}
+        self._ms: dict[str, list[float]] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            pending = self._events.setdefault(name, [])
+            pending.append((start, end))
+            if len(pending) > 256:  # read the finished ones without waiting, so events do not pile up
+                self._drain(name, pending)
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._ms.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+
+    def _drain(self, name: str, pending: list) -> None:
+        done = 0
+        while done < len(pending) and pending[done][1].query():
+            done += 1
+        self._ms.setdefault(name, []).extend(s.elapsed_time(e) for s, e in pending[:done])
+        del pending[:done]
+
+    def times(self, name: str) -> list[float]:
+        """Every recorded time of `name` in ms (synchronises once on CUDA)."""
+        if self._events.get(name):
+            torch.cuda.synchronize()
+            self._ms.setdefault(name, []).extend(s.elapsed_time(e) for s, e in self._events.pop(name))
+        return list(self._ms.get(name, []))
+
+    def summary(self) -> dict[str, float]:
+        """Median ms per step name."""
+        out = {}
+        for name in sorted({*self._events, *self._ms}):
+            ts = sorted(self.times(name))
+            if ts:
+                out[name] = ts[len(ts) // 2]
+        return out
+
+
+__all__ = ["GraphedStep", "StepTimer", "new_pool"]

@@ -1,0 +1,95 @@
+"""The target and the drafter of `dflash eval` on the static-cache, graphed decoding path.
+
+`GraphedTarget` is `Target` (same embedding and LM head for the drafter to borrow, same protocol for the
+loops) whose forward runs on a `DecodingRunner` row: the prompt eagerly, then a decode step (q = 1)
+or a verify step (q = B, a shorter final block padded: the causal mask keeps padding out of the real
+positions) as one graph launch each. "Cropping" is setting the row's committed length; the loops'
+`start` argument already says how much is committed, so every forward sets it first.
+
+`GraphedDraft` is `DFlashDraft` (same pairing check) on a `StaticDrafter`: the context of the tokens
+committed last round (at most B positions, a view of the verify step's feature buffer) is copied into
+the drafter's padded input, and one graph launch drafts the block. A prompt longer than B is appended
+eagerly first.
+
+Both keep their outputs in static buffers: the logits and features they return are views that stay
+valid until the same step runs again, which is all the decoding loops need.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dflash_pipeline.decoding.drafter import StaticDrafter
+from dflash_pipeline.decoding.runner import DecodingRunner
+from dflash_pipeline.eval.models import DFlashDraft, Target
+from dflash_pipeline.train.model import DFlashDrafter
+
+
+class GraphedTarget(Target):
+    def __init__(self, model, layer_ids: Sequence[int], *, max_len: int, block_size: int, graphs: bool | None = None,
+                 compile: bool = False):
+        super().__init__(model)  # no hooks of its own: the runner captures the features
+        self.layer_ids = [int(k) for k in layer_ids]
+        self.block_size = block_size
+        self.runner = DecodingRunner(model, rows=1, max_len=max_len, layer_ids=self.layer_ids, graphs=graphs,
+                                     compile=compile)
+
+    def close(self) -> None:
+        self.runner.close()
+        super().close()
+
+    def new_cache(self):
+        self.runner.reset(0)
+        return self.runner
+
+    def crop(self, cache, length: int) -> None:
+        self.runner.set_length(0, length)
+
+    def forward(self, ids: Sequence[int] | torch.Tensor, start: int, cache, *, features: bool = False,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.runner.set_length(0, start)
+        if not isinstance(ids, torch.Tensor):  # the prompt: eager, chunked
+            logits, feats = self.runner.extend(0, ids, features=features, all_logits=not last_only)
+            return logits, (feats[None] if feats is not None else None)
+        k = ids.numel()
+        q = 1 if k == 1 else self.block_size
+        if k > q:
+            raise ValueError(f"a block of {k} tokens is longer than the verify step ({q})")
+        io = self.runner.inputs(q)
+        io.ids_Rq[0, :k].copy_(ids)
+        self.runner.step(q)
+        logits = io.logits_RqV[0, :k]
+        feats = io.features_RqF[:, :k] if features and io.features_RqF is not None else None
+        return (logits[-1:] if last_only else logits), feats
+
+
+class GraphedDraft(DFlashDraft):
+    def __init__(self, model: DFlashDrafter, target: GraphedTarget, *, max_len: int, block_size: int | None = None,
+                 graphs: bool | None = None, compile: bool = False):
+        super().__init__(model, target, block_size)
+        vocab = target.model.get_output_embeddings().weight.shape[0]
+        self.static = StaticDrafter(model, embed=target.embed, head=target.logits, vocab_size=vocab,
+                                    feature_dtype=target.runner.dtype, max_len=max_len, block_size=self.block_size,
+                                    graphs=graphs, compile=compile)
+
+    def reset(self) -> None:
+        pass  # what a round sees is decided by its start position alone
+
+    @torch.inference_mode()
+    def draft(self, context_1nF: torch.Tensor | None, anchor: int, start: int) -> torch.Tensor:
+        io, n = self.static.io, context_1nF.shape[1]
+        if n > self.block_size:
+            self.static.extend_context(0, context_1nF[0], start)
+            n = 0
+        elif n:
+            io.ctx_RBF[0, :n].copy_(context_1nF[0])
+        io.n_new_R[0].fill_(n)
+        io.start_R[0].fill_(start)
+        io.ids_RB[0, 0].fill_(anchor)
+        self.static.step()
+        return io.logits_RmV[0]
+
+
+__all__ = ["GraphedTarget", "GraphedDraft"]

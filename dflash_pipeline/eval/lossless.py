@@ -1,0 +1,145 @@
+"""Is greedy speculative decoding lossless? The rule, per dtype, as small pure functions.
+
+At temperature 0 speculative decoding must commit exactly the target's greedy tokens. In fp32 the
+target's verify pass (a block of tokens) and its one-token decode step agree far below any logit
+margin that occurs in practice, so the check is exact: any difference fails.
+
+In bf16/fp16 the two passes are different kernels (different reduction orders, different tiles), and
+the logits they produce legitimately differ by a rounding step or two. Where the target's top two
+logits are that close, the two passes may pick different tokens: a **tie divergence**, a fact of the
+arithmetic, not a bug. The rule:
+
+    a divergence at position i is a tie iff  top1_i - top2_i <= TIE_ULPS * ulp(dtype, max(|top1_i|, |top2_i|))
+
+where ulp(dtype, x) is the spacing of the dtype's numbers at magnitude x (bf16: 2^(e - 7) for
+x in [2^e, 2^(e+1)); a bf16 logit near 20 has ulp 0.125). A divergence at a clear margin is a failure.
+
+After a tie the two outputs continue from different prefixes, so comparing them further says nothing.
+The speculative output is then checked against the target's own greedy choice along the speculative
+path itself: one forward pass over prompt + speculative tokens (teacher forcing) gives, at every
+later position, the target's argmax and its top-two logits given exactly the tokens speculative
+decoding committed; each disagreement is again a tie (counted) or a failure (reported). tau is
+measured on the speculative path, as it was decoded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+TIE_ULPS = 2  # two passes, each off by up to one rounding of the final logit
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+
+
+def logit_ulp(value: float, dtype: torch.dtype) -> float:
+    """Spacing of `dtype`'s representable numbers at magnitude |value| (the smallest normal's below it)."""
+    bits = _MANTISSA_BITS[dtype]
+    tiny = torch.finfo(dtype).tiny
+    exponent = math.floor(math.log2(max(abs(value), tiny)))
+    return 2.0 ** (exponent - bits)
+
+
+def is_exact_dtype(dtype: torch.dtype) -> bool:
+    """fp32/fp64: greedy output must equal plain decoding token for token."""
+    return dtype in (torch.float32, torch.float64)
+
+
+def is_tie(top1: float, top2: float, dtype: torch.dtype) -> bool:
+    """The target's top two logits are within the dtype's rounding of each other (never in fp32)."""
+    if is_exact_dtype(dtype):
+        return False
+    return top1 - top2 <= TIE_ULPS * logit_ulp(max(abs(top1), abs(top2)), dtype)
+
+
+def rule_text(dtype: torch.dtype) -> str:
+    if is_exact_dtype(dtype):
+        return "exact: token for token equal to plain greedy decoding"
+    name = str(dtype).removeprefix("torch.")
+    return (f"equal to plain greedy decoding except at ties: top-2 logit margin <= {TIE_ULPS} ulp of {name} "
+            f"at the logit's magnitude; after a tie, each token is the target's argmax along the speculative path")
+
+
+@dataclass
+class Divergence:
+    """Where the speculative output left the target's greedy choice, and how close the target was."""
+
+    prompt: int
+    position: int            # index into the generated tokens
+    spec_token: int | None
+    target_token: int | None
+    top1: float | None       # the target's top two logits at that position (None: not known)
+    top2: float | None
+    tie: bool
+    against: str             # "plain" (plain decoding's output) or "path" (teacher forcing along the spec path)
+
+    @property
+    def margin(self) -> float | None:
+        return None if self.top1 is None else self.top1 - self.top2
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "margin": self.margin}
+
+
+@dataclass
+class LosslessCheck:
+    failure: Divergence | None     # the first divergence at a clear margin, if any
+    ties: list[Divergence]         # tie divergences, in order
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where a and b differ (a shorter list differs at its end), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _at(seq: Sequence, i: int):
+    return seq[i] if i < len(seq) else None
+
+
+PathScores = Callable[[], tuple[list[int], list[float], list[float]]]
+"""Teacher forcing along the speculative path: (argmax, top1 logit, top2 logit) per generated position."""
+
+
+def check_greedy(prompt: int, spec: Sequence[int], plain: Sequence[int], plain_top1: Sequence[float],
+                 plain_top2: Sequence[float], dtype: torch.dtype, path_scores: PathScores) -> LosslessCheck:
+    """Classify where `spec` leaves the target's greedy output (see the module docstring for the rule).
+
+    plain_top1/plain_top2: the target's two largest logits at each position of plain decoding.
+    path_scores is only called after a tie (it costs one forward over the whole sequence).
+    """
+    i = first_difference(spec, plain)
+    if i is None:
+        return LosslessCheck(None, [])
+    top1, top2 = _at(plain_top1, i), _at(plain_top2, i)
+    first = Divergence(prompt, i, _at(spec, i), _at(plain, i), top1, top2,
+                       tie=top1 is not None and _at(spec, i) is not None and is_tie(top1, top2, dtype),
+                       against="plain")
+    if not first.tie:
+        return LosslessCheck(first, [])
+    ties = [first]
+    argmax, path_top1, path_top2 = path_scores()
+    for j in range(i + 1, len(spec)):
+        if spec[j] == argmax[j]:
+            continue
+        d = Divergence(prompt, j, spec[j], argmax[j], path_top1[j], path_top2[j],
+                       tie=is_tie(path_top1[j], path_top2[j], dtype), against="path")
+        if not d.tie:
+            return LosslessCheck(d, ties)
+        ties.append(d)
+    return LosslessCheck(None, ties)
+
+
+def top2_logits(logits_nV: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(top-1, top-2) logit values per row, as Python floats (one device-to-host copy)."""
+    top = logits_nV.float().topk(2, dim=-1).values.cpu()
+    return top[:, 0].tolist(), top[:, 1].tolist()
+
+
+__all__ = ["TIE_ULPS", "logit_ulp", "is_tie", "is_exact_dtype", "rule_text", "Divergence", "LosslessCheck",
+           "first_difference", "check_greedy", "top2_logits"]

@@ -1,0 +1,165 @@
+"""Rolling back the linear-attention layers of a target after a verify forward whose drafts were partly
+rejected: what makes speculative decoding exact on hybrid targets (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+
+The cause. A verify forward feeds [anchor, draft 1 .. draft m]; the loop keeps the anchor and the first
+n drafts. An attention layer rolls back by cropping its keys and values. A linear-attention layer
+(Gated DeltaNet) keeps no per-token keys: it keeps a short-convolution window (its last kernel-size
+inputs) and a recurrent state [heads, d_k, d_v] into which every token is folded. transformers' `crop`,
+after `activate_past_recording`, cuts the window back right, but it cannot take tokens out of the
+recurrent state (`LinearAttentionCacheLayerMixin.is_croppable` says so, in 5.17 as in 5.24, and its
+own assisted decoding refuses such caches). So after every rejection the next forward started from a
+state that had seen the rejected drafts. A test shows it on the states themselves
+(tests/test_eval.py, test_verify_then_rollback_leaves_the_committed_states): after verify + crop the
+recurrent state of every linear layer differs from the state after feeding only the committed tokens
+by as much as the state's own size, the window equals it to rounding; the block (chunked kernel) and
+token-by-token (recurrent kernel) paths agree to rounding, so the kernels are not the cause. On a
+random model the damage to the logits is small (the linear layers add little to the residual stream
+at the default init), which is why a greedy check with large margins can pass anyway (it did for a
+tiny qwen3_5_moe on two prompts).
+
+The fix, in two small parts that a static-cache decoding runner can reuse:
+- `LinearStates`: saves the window and recurrent state of every linear-attention layer of a
+  transformers cache before a verify forward, and puts them back after a rejection (recurrent states
+  are copied into the live tensors, so their addresses stay, as CUDA graphs need; save buffers are
+  reused);
+- `MixerReplay`: folds the committed tokens in again by re-running only the linear-attention modules
+  on their own inputs, captured (as references, no copy) during the verify forward. A module's input
+  at a committed position does not depend on any later (rejected) position, so this is exact.
+
+Measured, how to fold the committed tokens in again (bench/rollback.py: random qwen3_5 of 8 layers, 6 of
+them linear, hidden 64; fp32, one thread, CPU time; 4 prompts x 48 new tokens, block 8, a drafter that
+proposes the target's own continuation but errs at every 3rd drafted slot, tau 2.04), per verify round:
+  crop only (transformers' rollback; WRONG: leaves plain decoding on 4 of 4 prompts)   17.1 ms
+  restore + replay only the linear-attention modules (MixerReplay)                     26.6 ms
+  restore + a second target forward over the committed tokens                          32.9 ms
+On a GPU at batch 1 a forward is bound by reading the weights and by kernel launches. For a
+Qwen3.5-27B shape the second forward reads all 54 GB of weights again and launches every layer's
+kernels (~64 layers); the module replay reads the linear-attention projections of 48 layers
+(~11 GB: in_proj_qkv 5120x10240, in_proj_z and out_proj 5120x6144, in_proj_a/b) and launches ~48 x
+10 kernels: about a fifth of the forward's bytes, so the replay wins there too. Capturing the
+per-position recurrent states inside the verify pass would cost nothing extra but needs the gated
+delta rule itself re-implemented per model and per kernel (torch, fla), against transformers'
+internals that differ between 5.17 and 5.24; not done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_pipeline.errors import DFlashError
+
+# The child of a decoder layer that holds its linear-attention state (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+MIXER_NAMES = ("linear_attn",)
+
+
+def linear_layer_ids(cache) -> list[int]:
+    """Indices of the layers of a transformers cache that keep linear-attention states."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:  # transformers without linear-attention cache layers
+        return []
+    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _keep(src: torch.Tensor | None, buf: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of src, into buf when buf fits (no allocation per verify step)."""
+    if src is None:
+        return None
+    if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype and buf.device == src.device:
+        return buf.copy_(src)
+    return src.clone()
+
+
+class LinearStates:
+    """Saves and restores the convolution windows and recurrent states of a cache's linear-attention layers."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.layer_ids = linear_layer_ids(cache)
+        # (layer, state index) -> (window or None, recurrent state or None, has_previous_state)
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None, bool]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.layer_ids)
+
+    def save(self) -> None:
+        """Remember every linear-attention layer as it is now."""
+        for i in self.layer_ids:
+            layer = self.cache.layers[i]
+            for s in range(layer.number_of_states):
+                window = layer.conv_states[s] if layer.is_conv_states_initialized[s] else None
+                state = layer.recurrent_states[s] if layer.is_recurrent_states_initialized[s] else None
+                old = self._saved.get((i, s), (None, None, False))
+                self._saved[(i, s)] = (_keep(window, old[0]), _keep(state, old[1]), bool(layer.has_previous_state[s]))
+
+    def restore(self) -> None:
+        """Put every linear-attention layer back as it was at the last `save()`."""
+        for (i, s), (window, state, had_previous) in self._saved.items():
+            layer = self.cache.layers[i]
+            # Saved before any token: the next forward starts the layer afresh, as a prefill does.
+            layer.has_previous_state[s] = had_previous
+            if window is not None:
+                live = layer.conv_states[s]
+                if live is not None and live.shape == window.shape:
+                    live.copy_(window)
+                else:  # past recording grew the window during the forward; it is reassigned anyway
+                    layer.conv_states[s] = window.clone()
+            if state is not None:
+                layer.recurrent_states[s].copy_(state)
+
+
+def _head(value, keep: int):
+    """The first `keep` positions of a [batch, positions, ...] tensor (a 2D padding mask included)."""
+    return value[:, :keep] if isinstance(value, torch.Tensor) and value.dim() >= 2 else value
+
+
+class MixerReplay:
+    """Re-runs a model's linear-attention modules over the first positions of their captured inputs.
+
+    While `capture(into)` is set, each module's forward pre-hook puts a reference to its arguments into
+    `into` (one dict per cache, so two caches decoded in turn never mix); `replay(into, keep)` calls
+    every module again on the first `keep` positions, which folds them into the cache the module was
+    called with (restored by `LinearStates` first). The modules' outputs are dropped.
+    """
+
+    def __init__(self, model, layer_ids: list[int]):
+        from dflash_pipeline.extract.target import decoder_layers
+
+        layers = decoder_layers(model)
+        self.mixers: dict[int, torch.nn.Module] = {}
+        for i in layer_ids:
+            mixer = next((getattr(layers[i], n) for n in MIXER_NAMES if hasattr(layers[i], n)), None)
+            if mixer is None:
+                raise DFlashError(f"{type(model).__name__}: decoder layer {i} keeps a linear-attention state, but "
+                                  f"has none of the modules {', '.join(MIXER_NAMES)} whose state can be rolled "
+                                  "back; speculative decoding of this model is not supported")
+            self.mixers[i] = mixer
+        self._into: dict | None = None
+        self._hooks = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, m in self.mixers.items()]
+
+    def _hook(self, i: int):
+        def fn(module, args, kwargs):
+            if self._into is not None:
+                self._into[i] = (args, kwargs)
+
+        return fn
+
+    def capture(self, into: dict | None) -> None:
+        """Where the modules' inputs of the forwards that follow go (None: nowhere)."""
+        self._into = into
+
+    def replay(self, inputs: dict, keep: int) -> None:
+        """Fold the first `keep` positions of the captured inputs into the modules' cache again."""
+        assert len(inputs) == len(self.mixers), "replay needs the inputs of a whole forward"
+        for i, mixer in self.mixers.items():
+            args, kwargs = inputs[i]
+            mixer(*(_head(a, keep) for a in args), **{k: _head(v, keep) for k, v in kwargs.items()})
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._into = None
+
+
+__all__ = ["LinearStates", "MixerReplay", "linear_layer_ids", "MIXER_NAMES"]

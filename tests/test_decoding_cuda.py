@@ -1,0 +1,156 @@
+"""CUDA graphs of the decoding runner and the static drafter (skipped without CUDA).
+
+- graph replay == the same runner run eagerly, on the same inputs: logits, argmax and features of the
+  decode and verify steps after prefills of several lengths and rollbacks (fp32 and bf16), and the
+  drafter's round;
+- fp32 greedy speculative decoding on graphs == transformers' greedy generate on the GPU, for tiny
+  Llama / Qwen3 (sliding) / Gemma 3 and a random SmolLM2-135M-shaped target, with acceptances of
+  every length; once more with the steps compiled (`compile=True`).
+
+`DFLASH_TEST_DEVICE=cpu` runs these tests on the CPU (eager, no graphs): a check of the tests
+themselves before GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dflash_pipeline.decoding.drafter import StaticDrafter
+from dflash_pipeline.decoding.runner import DecodingRunner
+from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
+from dflash_pipeline.eval.speculative import speculative_generate, target_generate
+from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
+
+DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def on_device(model, dtype=torch.float32):
+    return model.to(device=DEVICE, dtype=dtype)
+
+
+def drive(runner: DecodingRunner, prompts: list[list[int]], B: int) -> list[torch.Tensor]:
+    """A fixed script of prefills, decode and verify steps with rollbacks; every output it saw."""
+    g = torch.Generator().manual_seed(0)
+    V = runner.inputs(1).logits_RqV.shape[-1]
+    seen = []
+    for prompt in prompts:
+        logits, feats = runner.prefill(0, prompt, features=True)
+        seen += [logits, feats]
+        for q, keep in [(1, 1), (B, 3), (1, 1), (B, 0), (B, B), (1, 1)]:
+            io = runner.inputs(q)
+            io.ids_Rq.copy_(torch.randint(0, V, (1, q), generator=g))
+            runner.step(q)
+            seen += [io.logits_RqV.clone(), io.features_RqF.clone()]
+            runner.set_length(0, runner.length(0) + keep)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_graph_replay_equals_eager_runner(kind, dtype):
+    model = on_device(tiny_causal_lm(kind), dtype)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(1, 40)), [7]]
+    outs = {}
+    for graphs in (False, True):
+        with DecodingRunner(model, max_len=96, layer_ids=[0, 1], graphs=graphs and DEVICE == "cuda") as runner:
+            outs[graphs] = drive(runner, prompts, B=5)
+    # fp32: equal up to rounding; bf16: up to a few units in the last place (the replayed kernels may
+    # be other algorithms of the same math than the eager calls chose).
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=3e-2)
+    for eager, graphed in zip(outs[False], outs[True]):
+        torch.testing.assert_close(graphed.float(), eager.float(), **tol)
+
+
+def test_drafter_graph_equals_eager_round():
+    model = on_device(tiny_causal_lm("qwen3"))
+    drafter = tiny_drafter([0, 1]).to(DEVICE)
+    emb = model.get_input_embeddings().weight
+    seen = {}
+    for graphs in (False, True):
+        static = StaticDrafter(drafter, embed=lambda ids: torch.nn.functional.embedding(ids, emb),
+                               head=lambda h: model.get_output_embeddings()(h).float(), vocab_size=96,
+                               feature_dtype=torch.float32, max_len=64, graphs=graphs and DEVICE == "cuda")
+        g = torch.Generator().manual_seed(1)
+        out, start = [], 0
+        for n in [3, 1, 4, 2, 4]:
+            start += n
+            static.io.ctx_RBF[0, :n].copy_(torch.randn(n, 128, generator=g))
+            static.io.n_new_R.fill_(n)
+            static.io.start_R.fill_(start)
+            static.io.ids_RB[0, 0] = int(torch.randint(0, 95, (), generator=g))
+            static.step()
+            out.append(static.io.logits_RmV.clone())
+        seen[graphs] = torch.stack(out)
+    torch.testing.assert_close(seen[True], seen[False], atol=1e-5, rtol=1e-4)
+
+
+def smollm_shaped():
+    """A random Llama of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "smollm"])
+def test_fp32_graphed_speculative_decoding_equals_generate(kind):
+    speculative_equals_generate(kind, compile=False)
+
+
+def test_compiled_graphed_speculative_decoding_equals_generate():
+    """The same with the steps' forward and the drafter's elementwise chains through torch.compile."""
+    speculative_equals_generate("qwen3", compile=True)
+
+
+def speculative_equals_generate(kind: str, compile: bool) -> None:
+    from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+
+    if kind == "smollm":
+        model = smollm_shaped()
+        cfg = DrafterConfig(hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3,
+                            head_dim=64, vocab_size=49152, block_size=8, mask_token_id=16,
+                            target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30)
+        drafter = DFlashDrafter(cfg)
+        init_drafter_weights(drafter, generator=torch.Generator().manual_seed(0))
+        drafter, layers, B = drafter.to(DEVICE).eval(), cfg.target_layer_ids, 8
+    else:
+        model, drafter, layers, B = on_device(tiny_causal_lm(kind)), tiny_drafter([0, 1]).to(DEVICE), [0, 1], 4
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    N = 48
+    want = hf_greedy(model, prompt, N)
+    target = GraphedTarget(model, layers, max_len=len(prompt) + N + B, block_size=B, compile=compile)
+    try:
+        kw = dict(max_new_tokens=N, temperature=0.0, stop_ids=frozenset())
+        assert target_generate(target, prompt, **kw).tokens == want
+        steered = Steered(GraphedDraft(drafter, target, max_len=len(prompt) + N + B, compile=compile), prompt + want)
+        spec = speculative_generate(target, steered, prompt, **kw)
+        assert spec.tokens == want
+        assert {s.accepted for s in spec.steps} >= set(range(B - 1))  # acceptances of every length
+    finally:
+        target.close()
+
+
+def test_step_timer_keeps_every_time_and_drains_finished_events():
+    from dflash_pipeline.decoding.graphs import StepTimer
+
+    x = torch.randn(256, 256, device=DEVICE)
+    timer = StepTimer(torch.device(DEVICE))
+    for _ in range(300):
+        with timer("matmul"):
+            x = torch.tanh(x @ x)
+    if DEVICE == "cuda":
+        assert len(timer._events["matmul"]) <= 257  # drained as they finish, not all kept
+    times = timer.times("matmul")
+    assert len(times) == 300 and min(times) > 0
+    assert timer.summary()["matmul"] == sorted(times)[150]

@@ -1,0 +1,253 @@
+"""bench/quality.py's pieces on the CPU: packed rows back to samples, the online loop's target features
+against the store's, the job runner (dependencies, exclusive jobs, deadline, resume by skipping), the
+data selection, and the SpecForge adaptor (skipped without the `specforge` wheel): its converted drafter
+drafts what SpecForge's own model drafts, and its trainer runs on our store."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # the benchmark modules under test
+
+from dflash_pipeline.extract.pipeline import run_extract  # noqa: E402
+from dflash_pipeline.schemas.config import ExtractConfig  # noqa: E402
+from dflash_pipeline.store.reader import StoreReader  # noqa: E402
+from dflash_pipeline.train.batch import Batch  # noqa: E402
+from dflash_pipeline.train.loader import StreamingLoader  # noqa: E402
+from dflash_pipeline.train.model import DrafterConfig  # noqa: E402
+from helpers import make_tiny_target, write_conversations  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+try:
+    import specforge  # noqa: F401
+    HAVE_SPECFORGE = True
+except ImportError:
+    HAVE_SPECFORGE = False
+needs_specforge = pytest.mark.skipif(not HAVE_SPECFORGE, reason="the specforge wheel is not installed "
+                                     "(pip install --no-deps 'specforge==0.2.*')")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm_dir):
+    root = tmp_path_factory.mktemp("quality")
+    target = make_tiny_target(root / "target", smollm_dir)
+    data = write_conversations(root / "conv.jsonl", n=24)
+    store = str(root / "store")
+    run_extract(ExtractConfig(out=store, target=str(target), data=[str(data)], max_length=128, topk=4,
+                              tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1, quiet=True,
+                              device="cpu", num_features=3))
+    return {"target": str(target), "store": store}
+
+
+def _packed_batch() -> Batch:
+    # row 0: samples of 3 and 2 tokens then padding; row 1: one sample of 4 tokens
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, -1, -1]])
+    R, S, F, K = 2, 6, 5, 2
+    tokens = torch.arange(R * S).view(R, S) + 100
+    feats = torch.randn(R, S, F)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 0]])
+    return Batch(tokens, mask, pos, doc, feats, torch.zeros(R, S, K, dtype=torch.long), torch.zeros(R, S, K),
+                 int((doc >= 0).sum()))
+
+
+def test_packed_rows_unpack_into_their_samples():
+    from packed import sample_spans
+    from specforge_dflash import unpack_rows
+
+    b = _packed_batch()
+    assert sample_spans(b.doc) == [(0, 0, 3), (0, 3, 2), (1, 0, 4)]
+    ids, hidden, mask = unpack_rows(b)
+    assert ids.shape == (3, 4) and hidden.shape == (3, 4, 5) and mask.dtype == torch.float32
+    for i, (r, a, n) in enumerate([(0, 0, 3), (0, 3, 2), (1, 0, 4)]):
+        assert torch.equal(ids[i, :n], b.tokens[r, a:a + n])
+        assert torch.equal(hidden[i, :n], b.features[r, a:a + n])
+        assert torch.equal(mask[i, :n].bool(), b.loss_mask[r, a:a + n])
+        assert not ids[i, n:].any() and not hidden[i, n:].any() and not mask[i, n:].any()
+
+
+def test_online_features_equal_the_stores(tiny):
+    """The online loop's target pass over a loader batch gives the features and top-k the store holds."""
+    from quality_online import target_features
+
+    from dflash_pipeline.extract.target import TargetRunner, load_target
+
+    reader = StoreReader(tiny["store"])
+    layers = reader.meta.layer_ids
+    loader = StreamingLoader(reader, layers=layers, rank=0, world=1, seed=0, row_len=128, rows_per_batch=2,
+                             num_workers=0)
+    batch = next(iter(loader.iter_epoch(0)))
+    runner = TargetRunner(load_target(tiny["target"], torch.float32, "cpu"), layers, topk=reader.meta.topk)
+    try:
+        online = target_features(runner, batch, reader.meta.topk)
+    finally:
+        runner.close()
+    real = batch.doc >= 0
+    assert online.features.dtype == batch.features.dtype and online.features.shape == batch.features.shape
+    torch.testing.assert_close(online.features[real].float(), batch.features[real].float(), atol=2e-2, rtol=1e-2)
+    assert not online.features[~real].any()
+    agree = (online.topk_ids[real] == batch.topk_ids[real]).float().mean()
+    assert agree > 0.98  # ranks may swap only at bf16-level ties
+    torch.testing.assert_close(online.topk_logprobs[real][:, 0], batch.topk_logprobs[real][:, 0], atol=2e-2, rtol=0)
+    assert online.features.requires_grad is False and not online.features.is_inference()
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_job_runner_order_dependencies_deadline_and_resume(tmp_path):
+    from quality_jobs import BLOCKED, FAILED, NOT_STARTED, OK, SKIPPED, STOPPED, Job, run_jobs
+
+    trace = tmp_path / "trace"
+
+    def stamp(name: str, sleep: float = 0.0, rc: int = 0) -> list[str]:
+        return _py(f"import time, sys; open({str(trace)!r}, 'a').write('{name}+\\n'); time.sleep({sleep}); "
+                   f"open({str(trace)!r}, 'a').write('{name}-\\n'); sys.exit({rc})")
+
+    jobs = [Job("a", stamp("a", 0.3)), Job("b", stamp("b", 0.6)), Job("c", stamp("c"), after=("a",)),
+            Job("bad", stamp("bad", rc=3)), Job("after-bad", stamp("x"), after=("bad",)),
+            Job("solo", stamp("solo"), exclusive=True, wait_for=("a", "b", "c", "bad")),
+            Job("skip", stamp("skip"), done=lambda: True)]
+    st = run_jobs(jobs, {"train": 2}, say=lambda m: None, poll=0.05)
+    assert st["a"]["status"] == OK and st["c"]["status"] == OK and st["bad"]["status"] == FAILED
+    assert st["bad"]["rc"] == 3 and st["after-bad"]["status"] == BLOCKED and st["skip"]["status"] == SKIPPED
+    lines = trace.read_text().split()
+    assert sorted(x for x in lines if x.endswith("+")) == ["a+", "b+", "bad+", "c+", "solo+"]  # each once
+    assert lines.index("c+") > lines.index("a-")                         # dependency
+    assert sorted(lines[0:2]) == ["a+", "b+"]   # two at a time (which process writes first is the OS's choice)
+    assert lines[-2:] == ["solo+", "solo-"] and "skip+" not in lines     # alone, last; done jobs skipped
+
+    # At the deadline a running job is stopped (SIGTERM) and what has not started is reported.
+    t = time.time()
+    st = run_jobs([Job("slow", _py("import time; time.sleep(30)"), min_time_left=0),
+                   Job("late", _py("pass"), after=("slow",), min_time_left=0)],
+                  {"train": 1}, deadline=time.time() + 1.0, say=lambda m: None, grace=5, poll=0.05)
+    assert st["slow"]["status"] == STOPPED and st["late"]["status"] in (NOT_STARTED, BLOCKED)
+    assert time.time() - t < 10
+
+
+def test_first_exchange_selection():
+    from quality_data import first_exchange
+
+    conv, _ = first_exchange({"conversations": [
+        {"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+        {"from": "human", "value": "more"}, {"from": "gpt", "value": "no"}]})
+    assert conv == [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "hello"}]
+    assert first_exchange({"conversations": [{"from": "gpt", "value": "x"}]})[0] is None
+    assert first_exchange({"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}]})[0] is None
+    assert first_exchange({"conversations": [{"from": "robot", "value": "q"}]})[1] == "unknown role"
+
+
+def _tiny_dcfg(layer_types, window=None) -> DrafterConfig:
+    return DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=len(layer_types), num_heads=4,
+                         num_kv_heads=2, head_dim=16, vocab_size=100, block_size=8, mask_token_id=99,
+                         target_layer_ids=[1, 3, 5], num_target_layers=8, rope_theta=10000.0,
+                         layer_types=layer_types, sliding_window=window)
+
+
+@needs_specforge
+@pytest.mark.parametrize("layer_types,window", [(["full_attention"] * 2, None),
+                                                 (["sliding_attention", "full_attention"], 8)])
+def test_converted_specforge_drafter_drafts_the_same_tokens(tmp_path, layer_types, window):
+    from specforge.algorithms.common.dflash_family_model import create_dflash_sdpa_mask
+    from specforge_dflash import build_draft, export_specforge, export_state
+
+    from dflash_pipeline.train.export import export_drafter, load_exported
+
+    dcfg = _tiny_dcfg(layer_types, window)
+    draft = build_draft(dcfg, "eager").float().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms away from 1, so that a swapped or dropped weight shows
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    export_drafter(export_state(draft, dcfg), dcfg, tmp_path / "fp32", dtype=torch.float32)
+    ours, cfg = load_exported(tmp_path / "fp32")
+    assert cfg == dcfg
+    # Context beyond the anchor must stay invisible; a window of 8 hides context positions 0-1 from slot 0
+    # and more from later slots (SpecForge's window does not reach inside the block: equal when W >= B).
+    S, p, B = 12, 9, dcfg.block_size
+    feats, emb = torch.randn(1, S, 3 * 64, generator=g), torch.randn(1, B, 64, generator=g)
+    mask_args = dict(anchor_positions=torch.tensor([[p]]), block_keep_mask=torch.tensor([[True]]), S=S,
+                     block_size=B, device="cpu")
+    mask = create_dflash_sdpa_mask(**mask_args)
+    if window:
+        mask = {"full_attention": mask, "sliding_attention": create_dflash_sdpa_mask(**mask_args, sliding_window=window)}
+    pos = torch.cat([torch.arange(S), p + torch.arange(B)])[None]
+    head = torch.randn(100, 64, generator=g)
+    with torch.no_grad():
+        want = draft(position_ids=pos, noise_embedding=emb, target_hidden=feats, attention_mask=mask)
+        got = ours.draft_step(feats[:, :p], torch.arange(p), emb, p + torch.arange(B), ours.new_cache())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal((got @ head.T).argmax(-1), (want @ head.T).argmax(-1))
+    # The export format itself (bf16) loads and drafts the same blocks up to bf16 rounding.
+    bf16, _ = load_exported(export_specforge(draft, dcfg, tmp_path / "bf16"))
+    with torch.no_grad():
+        got16 = bf16.draft_step(feats[:, :p], torch.arange(p), emb, p + torch.arange(B), bf16.new_cache())
+    torch.testing.assert_close(got16, want, atol=0.1, rtol=0.05)
+
+
+@needs_specforge
+def test_specforge_trains_on_our_store_and_exports(tiny, tmp_path):
+    from specforge_dflash import train_specforge
+
+    from dflash_pipeline.eval.run import load_drafter, read_drafter_config
+    from dflash_pipeline.progress import LiveLine
+
+    out = tmp_path / "sf"
+    s = train_specforge(store=tiny["store"], out=out, steps=4, num_layers=1, block_size=4, gamma=3.0, max_anchors=8,
+                        tokens_per_batch=256, max_length=128, eval_fraction=0.1, num_workers=0, device="cpu",
+                        log_every=2, lr=3e-3, progress=LiveLine(enabled=False))
+    assert s["finished"] and s["step"] == 4
+    logs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logs if r["type"] == "train")
+    assert 1.0 <= s["eval"]["tau_chain"] <= 4.0 and s["eval"]["samples"] > 0
+    dcfg = read_drafter_config(str(out / "final"))  # what `dflash eval` reads and loads
+    assert dcfg.block_size == 4 and dcfg.target_layer_ids == StoreReader(tiny["store"]).meta.layer_ids
+    load_drafter(str(out / "final"), torch.float32, torch.device("cpu"))
+
+
+def test_summary_tables_and_goals_from_result_files(tmp_path):
+    """The summary reads what the parts wrote and judges the goals from it (nothing measured here)."""
+    import quality
+    from quality_summary import build_summary
+
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+
+    def run(name: str, store: str, est: float, taus: dict[str, float], block: int = 16):
+        d = b.run_dir(name)
+        (d / "final").mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"step": 4, "finished": True, "seconds": 9.0, "eval": {
+            "tau_chain": est, "acc_per_pos": [0.8, 0.6], "acc": 0.7}}))
+        (d / "config.json").write_text(json.dumps({"train": {"block_size": block, "tokens_per_batch": 1024},
+                                                   "store": {"url": str(b.store(store))}, "steps_per_epoch": 2}))
+        for key, tau in taus.items():
+            prompt_set, t = key.split("@")
+            b.eval_file(name, prompt_set, float(t)).write_text(json.dumps({"tau": tau, "lossless": True,
+                                                                            "speedup": 1.2}))
+
+    run("ce", "regen-bf16", 3.6, {"chat@0": 3.0, "chat@1": 2.5})
+    run("kl15", "regen-bf16", 2.2, {"chat@0": 2.0})
+    run("ce@orig", "orig-bf16", 1.5, {"chat@0": 1.5})
+    run("ce@fp8", "regen-fp8", 3.5, {"chat@0": 2.97})
+    b.eval_file("ce", "chat", 0.0, alone=True).write_text(json.dumps({"tau": 3.0, "speedup": 1.8}))
+    b.write("recipes", {"best": quality.best_run(b, fresh=True)})
+    md, rec = build_summary(b)
+    assert rec["best"] == "ce"   # the highest real tau, not the highest estimate
+    goals = {g["goal"]: g for g in rec["goals"]}
+    assert goals["real tau (T=0, block 16, chat) >= 3.0"]["met"]
+    assert goals["real speedup > 1 (best, alone)"]["value"] == 1.8
+    assert goals["regenerated / original tau >= 1.5"]["value"] == pytest.approx(2.0)
+    assert goals["fp8 within 2% of bf16 tau"]["met"] and goals["fp8 within 2% of bf16 tau"]["value"] == pytest.approx(0.01)
+    est = goals["held-out estimate within 10% of real tau (recipes, worst)"]
+    assert est["value"] == pytest.approx(1.2) and not est["met"]
+    assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 |" in md
+    assert "| ce@orig | store orig-bf16 |" in md

@@ -1,0 +1,494 @@
+"""DDTree: the budget-N tree, its verification mask, the exact acceptance walks and the held-out estimate.
+
+- The builder's N nodes are the N best paths under the stated order (score, then depth, then rank path),
+  checked by brute force over every path and by the best-first heap the method describes, ties and
+  zero-probability tokens included; the chain is budget 0 (and K = 1).
+- The walk is exact: greedy tree decoding of a tiny Llama verified with a 4D ancestor mask (eager,
+  DynamicCache) equals plain greedy decoding token for token, and the compacted cache equals a cache that
+  saw only the committed tokens (measured: a mask that lets a node see its siblings, consecutive instead of
+  depth positions, or keeping the wrong cache slots each fail it); at T > 0 the walk's outcome
+  distribution is enumerated exactly, and the whole loop's joint distribution of 4 tokens passes a
+  chi-square test against the target's (a sibling-seeing mask fails that one too).
+- The held-out estimate equals building each anchor's tree and walking it with the reference, and at
+  budget 0 equals training's greedy-chain walk.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.decoding.tree import (
+    Tree, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, kept_slots, reference_depths,
+    slot_topk, target_choices, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
+)
+from dflash_pipeline.errors import DFlashError
+from dflash_pipeline.eval.models import Target
+from dflash_pipeline.eval.speculative import greedy_accept, target_generate
+from test_eval import _chi_square, _joint_exact, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- references for the builder
+
+
+def all_paths(lp_DK: torch.Tensor):
+    """Every path of rank choices down to every depth, as (sort key, ranks), scores summed parent first."""
+    D, K = lp_DK.shape
+    lp = lp_DK.double()
+    out = []
+    for d in range(1, D + 1):
+        for ranks in itertools.product(range(K), repeat=d):
+            s = torch.tensor(0.0, dtype=torch.float64)
+            for k, r in enumerate(ranks):
+                s = s + lp[k, r]
+            if float(s) > -math.inf:
+                out.append(((-float(s), d, ranks), ranks))
+    return sorted(out)
+
+
+def brute_force_tree(lp_DK: torch.Tensor, N: int) -> list[tuple[int, ...]]:
+    return [ranks for _, ranks in all_paths(lp_DK)[:N]]
+
+
+def heap_tree(lp_DK: torch.Tensor, N: int) -> list[tuple[int, ...]]:
+    """The best-first growth the method describes: pop the best, offer its next sibling and first child."""
+    D, K = lp_DK.shape
+    lp = lp_DK.double()
+    zero = torch.tensor(0.0, dtype=torch.float64)
+
+    def entry(parent_score, d, ranks):
+        s = parent_score + lp[d - 1, ranks[-1]]
+        return (-float(s), d, ranks, parent_score)
+
+    heap = [entry(zero, 1, (0,))]
+    out = []
+    while heap and len(out) < N:
+        neg, d, ranks, parent_score = heapq.heappop(heap)
+        if neg == math.inf:
+            break
+        out.append(ranks)
+        if ranks[-1] + 1 < K:  # its next sibling
+            heapq.heappush(heap, entry(parent_score, d, ranks[:-1] + (ranks[-1] + 1,)))
+        if d < D:  # its first child
+            heapq.heappush(heap, entry(parent_score + lp[d - 1, ranks[-1]], d + 1, ranks + (0,)))
+    return out
+
+
+def tree_paths(tree: Tree) -> list[tuple[int, ...]]:
+    """Each node's path of ranks, read back through its parents."""
+    paths = []
+    for i in range(tree.size):
+        ranks, j = [], i
+        while j >= 0:
+            ranks.append(int(tree.ranks_N[j]))
+            j = int(tree.parents_N[j])
+        paths.append(tuple(reversed(ranks)))
+    return paths
+
+
+def random_slots(D, V, K, seed, scale=2.0, round_to=None):
+    logits = torch.randn(D, V, generator=torch.Generator().manual_seed(seed)) * scale
+    if round_to:  # coarse logits: many exact ties between scores
+        logits = (logits / round_to).round() * round_to
+    return slot_topk(logits, K)
+
+
+# ---------------------------------------------------------------- the builder
+
+
+@pytest.mark.parametrize("seed,round_to", [(0, None), (1, None), (2, 0.5), (3, 1.0)])
+def test_tree_holds_the_n_best_paths_in_best_first_order(seed, round_to):
+    D, V, K = 4, 7, 3
+    lp, ids = random_slots(D, V, K, seed, round_to=round_to)
+    total = sum(K ** d for d in range(1, D + 1))
+    for N in list(range(1, 20)) + [37, 64, total, total + 5]:
+        tree = build_tree(lp, ids, N)
+        paths = tree_paths(tree)
+        assert paths == brute_force_tree(lp, N) == heap_tree(lp, N), N
+        # What a verifier relies on: parents precede children, depth = path length, tokens from their slots.
+        assert all(int(p) < i for i, p in enumerate(tree.parents_N))
+        assert [len(p) for p in paths] == tree.depths_N.tolist()
+        assert [int(ids[len(p) - 1, p[-1]]) for p in paths] == tree.tokens_N.tolist()
+        sums = [float(sum(lp[k, r].double() for k, r in enumerate(p))) for p in paths]
+        assert np.allclose(sums, tree.scores_N.numpy(), rtol=0, atol=1e-12)
+    if round_to:
+        scores = tree.scores_N.tolist()
+        assert len(set(scores)) < len(scores)  # ties were exercised
+
+
+def test_zero_probability_tokens_are_never_nodes():
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(4))
+    logits[1, 2:] = -math.inf  # slot 2 has two possible tokens only
+    lp, ids = slot_topk(logits, 4)
+    tree = build_tree(lp, ids, 200)
+    assert tree.size == 4 + 4 * 2 + 4 * 2 * 4
+    assert tree_paths(tree) == brute_force_tree(lp, 200) == heap_tree(lp, 200)
+    assert bool(torch.isfinite(tree.scores_N).all())
+
+
+def test_batched_trees_equal_one_at_a_time_and_topk_of_budget_is_the_full_distribution():
+    A, D, V = 5, 5, 9
+    logits = torch.randn(A, D, V, generator=torch.Generator().manual_seed(5)) * 1.5
+    for N in (1, 3, 8, 30):
+        full_lp, full_ids = slot_topk(logits, V)
+        k_lp, k_ids = slot_topk(logits, topk_for_budget(N, V))
+        trees = build_trees(k_lp, k_ids, N)
+        for a in range(A):
+            one = build_tree(full_lp[a], full_ids[a], N)
+            t = trees.tree(a)
+            for x, y in zip((t.tokens_N, t.parents_N, t.depths_N, t.ranks_N), (one.tokens_N, one.parents_N,
+                                                                              one.depths_N, one.ranks_N)):
+                assert torch.equal(x, y)
+
+
+def test_the_chain_is_budget_zero_and_k_one():
+    lp, ids = random_slots(6, 11, 4, 6)
+    chain = build_tree(lp, ids, 0)
+    assert chain.tokens_N.tolist() == ids[:, 0].tolist()
+    assert chain.parents_N.tolist() == [-1, 0, 1, 2, 3, 4] and chain.depths_N.tolist() == [1, 2, 3, 4, 5, 6]
+    k1 = build_tree(lp[:, :1], ids[:, :1], 6)
+    assert torch.equal(k1.tokens_N, chain.tokens_N) and torch.equal(k1.parents_N, chain.parents_N)
+    # Its mask is causal and its positions consecutive: chain verification is a special case.
+    assert torch.equal(chain.ancestor_mask(), torch.ones(7, 7, dtype=torch.bool).tril())
+    assert chain.positions(40).tolist() == list(range(40, 47))
+
+
+def test_mask_and_positions():
+    lp, ids = random_slots(4, 8, 3, 7)
+    tree = build_tree(lp, ids, 12)
+    anc = tree.ancestor_mask()
+    for s in range(tree.size + 1):
+        want = {0, s}
+        j = s - 1
+        while j >= 0:
+            want.add(j + 1)
+            j = int(tree.parents_N[j])
+        assert set(anc[s].nonzero()[:, 0].tolist()) == want
+    assert tree.positions(100).tolist() == [100] + (100 + tree.depths_N).tolist()
+    assert tree.input_ids(77).tolist() == [77] + tree.tokens_N.tolist()
+    m = tree_attention_mask(tree, past=5)
+    assert m.shape == (1, 1, 13, 18) and bool((m[0, 0, :, :5] == 0).all())
+    assert torch.equal(m[0, 0, :, 5:] == 0, anc)
+
+
+# ---------------------------------------------------------------- the walks
+
+
+def hand_tree() -> Tree:
+    # anchor -> 5 (node 0) -> 7 (node 2) -> 9 (node 4)
+    #        -> 6 (node 1) -> 8 (node 3)
+    return Tree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 1, 2]), torch.tensor([1, 1, 2, 2, 3]),
+                torch.tensor([0, 1, 0, 0, 0]), torch.zeros(5, dtype=torch.float64))
+
+
+def test_greedy_walk_follows_the_targets_choice():
+    tree = hand_tree()
+    # choice per slot: anchor, node 0..4
+    path, tok = walk(tree, torch.tensor([6, 0, 8, 0, 3, 0]))
+    assert path.tolist() == [1, 3] and tok == 3           # second branch, then the bonus after its leaf
+    path, tok = walk(tree, torch.tensor([5, 7, 0, 9, 0, 2]))
+    assert path.tolist() == [0, 2, 4] and tok == 2        # the whole first branch
+    path, tok = walk(tree, torch.tensor([5, 1, 0, 0, 0, 0]))
+    assert path.tolist() == [0] and tok == 1              # correction after node 0
+    path, tok = walk(tree, torch.tensor([4, 7, 8, 9, 0, 0]))
+    assert path.tolist() == [] and tok == 4               # matches deeper down do not count
+    # The chain: the same answer as the chain's acceptance rule.
+    g = torch.Generator().manual_seed(0)
+    lp, ids = random_slots(5, 4, 4, 8)
+    chain = build_tree(lp, ids, 0)
+    for _ in range(50):
+        target = torch.randint(0, 4, (6,), generator=g)
+        n, tok = greedy_accept(chain.tokens_N, target)
+        path, tok2 = walk(chain, target)
+        assert (len(path), tok2) == (n, tok) and path.tolist() == list(range(n))
+
+
+def committed_distribution_exact(tree: Tree, p_SV: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """The walk's outcome distribution, enumerating every joint draw of the per-slot choices."""
+    S, V = p_SV.shape
+    out: dict[tuple[int, ...], float] = {}
+    for x in itertools.product(range(V), repeat=S):
+        pr = math.prod(float(p_SV[s, x[s]]) for s in range(S))
+        path, tok = walk(tree, torch.tensor(x))
+        key = tuple(tree.tokens_N[path].tolist()) + (tok,)
+        out[key] = out.get(key, 0.0) + pr
+    return out
+
+
+def test_sampling_walk_is_the_targets_sampling_exactly():
+    """Committed tokens c1..cm must have probability prod_i p_{node(c1..c_{i-1})}(c_i): the target sampling
+    token by token from the node of the prefix so far, stopping where the prefix leaves the tree."""
+    V = 3
+    tree = Tree(torch.tensor([0, 1, 2, 0]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]),
+                torch.tensor([0, 1, 0, 0]), torch.zeros(4, dtype=torch.float64))
+    p = torch.softmax(torch.randn(5, V, generator=torch.Generator().manual_seed(9)).double(), -1)
+    children = {-1: {}}
+    for i in range(tree.size):
+        children.setdefault(int(tree.parents_N[i]), {})[int(tree.tokens_N[i])] = i
+    want: dict[tuple[int, ...], float] = {}
+
+    def grow(node: int, prefix: tuple[int, ...], pr: float):
+        for t in range(V):
+            child = children.get(node, {}).get(t)
+            if child is None:
+                want[prefix + (t,)] = want.get(prefix + (t,), 0.0) + pr * float(p[node + 1, t])
+            else:
+                grow(child, prefix + (t,), pr * float(p[node + 1, t]))
+
+    grow(-1, (), 1.0)
+    got = committed_distribution_exact(tree, p)
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], abs=1e-12), k
+    assert sum(got.values()) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- verification on a real (tiny) model
+
+
+class SecondGuessDrafter:
+    """Knows the target's greedy continuation; drafts it as the top-1 everywhere except slot 1, where the
+    right token is only its second guess: the chain never gets past slot 1, a tree can."""
+
+    def __init__(self, sequence: list[int], vocab: int, depth: int, seed: int = 0):
+        self.sequence, self.vocab, self.depth = list(sequence), vocab, depth
+        self.g = torch.Generator().manual_seed(seed)
+
+    def __call__(self, anchor: int, start: int) -> torch.Tensor:
+        logits = torch.randn(self.depth, self.vocab, generator=self.g)
+        for k in range(self.depth):
+            if start + 1 + k < len(self.sequence):
+                right = self.sequence[start + 1 + k]
+                logits[k, right] = 4.0 if k == 0 else 8.0
+                if k == 0:
+                    logits[0, (right + 1) % self.vocab] = 5.0
+        return logits
+
+
+class TableDraft:
+    """Per-slot logits that depend only on the anchor: unrelated to the target."""
+
+    def __init__(self, table_VDV: torch.Tensor):
+        self.table = table_VDV
+
+    def __call__(self, anchor: int, start: int) -> torch.Tensor:
+        return self.table[anchor]
+
+
+def _forward(model, ids, positions, cache, mask=None):
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=torch.as_tensor(ids)[None], position_ids=torch.as_tensor(positions)[None],
+                attention_mask=mask, use_cache=True, **{kw: cache})
+    return out.logits[0].float()
+
+
+def tree_generate(model, draft, prompt, *, depth: int, budget: int, max_new_tokens: int, temperature: float = 0.0,
+                  generator=None, check_cache: bool = False):
+    """Tree speculative decoding through a DynamicCache: draft, build, verify with the ancestor mask, walk,
+    commit, compact. Returns (tokens, accepted drafts per round)."""
+    from transformers import DynamicCache
+
+    V = model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    logits = _forward(model, prompt, list(range(len(prompt))), cache)
+    tokens = [int(target_choices(logits[-1:], temperature, generator)[0])]
+    start, accepted = len(prompt), []
+    while len(tokens) < max_new_tokens:
+        d = min(depth, max_new_tokens - len(tokens) - 1)  # never commit past max_new_tokens
+        anchor = tokens[-1]
+        lp, ids = slot_topk(draft(anchor, start)[:d], topk_for_budget(budget, V))
+        tree = build_tree(lp, ids, budget)
+        mask = tree_attention_mask(tree, start, dtype=torch.float32)
+        logits = _forward(model, tree.input_ids(anchor), tree.positions(start), cache, mask)
+        path, token = walk(tree, target_choices(logits, temperature, generator))
+        compact_cache(cache, kept_slots(start, path))
+        tokens += tree.tokens_N[path].tolist() + [token]
+        start += len(path) + 1
+        accepted.append(len(path))
+        if check_cache:  # the compacted cache is the cache of the committed tokens, slot for slot
+            fresh = DynamicCache(config=model.config)
+            committed = list(prompt) + tokens[:-1]
+            _forward(model, committed, list(range(len(committed))), fresh)
+            assert cache.get_seq_length() == len(committed) == start
+            for a, b in zip(cache.layers, fresh.layers):
+                torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+    return tokens, accepted
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_tree_decoding_is_plain_greedy_decoding(attn):
+    V, D, L = 32, 4, 40
+    model = tiny_llama(vocab=V, seed=3, head_std=1.0)
+    model.set_attn_implementation(attn)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    base = target_generate(Target(model), prompt, max_new_tokens=L, temperature=0.0, stop_ids=frozenset()).tokens
+    oracle = SecondGuessDrafter(prompt + base, V, D)
+    results = {}
+    for budget in (0, 3, 16):
+        toks, acc = tree_generate(model, oracle, prompt, depth=D, budget=budget, max_new_tokens=L,
+                                  check_cache=budget == 16)
+        assert toks == base, budget
+        results[budget] = acc
+    assert set(results[0]) == {0}                                   # the chain is stuck at slot 1
+    assert np.mean(results[16][:-1]) == D                           # the tree finds the second guess
+    random_draft = TableDraft(torch.randn(V, D, V, generator=torch.Generator().manual_seed(1)))
+    toks, _ = tree_generate(model, random_draft, prompt, depth=D, budget=8, max_new_tokens=L, check_cache=True)
+    assert toks == base
+
+
+def test_tree_sampling_keeps_target_distribution():
+    """At T > 0, the whole loop (tree, mask, walk, compaction) samples the target's own joint distribution of
+    the first 4 tokens (chi-square, alpha 1e-3), with trees that branch and accept often."""
+    V, D, L, T, runs = 6, 3, 4, 0.8, 1000
+    model = tiny_llama(vocab=V, seed=0)
+    model.set_attn_implementation("eager")
+    prompt = [1, 2, 3, 4, 5]
+    exact = _joint_exact(model, prompt, V, L, T)
+    marginals = [exact.sum(dim=(2, 3)), exact.sum(dim=(1, 3)), exact.sum(dim=(1, 2))]
+    cond = torch.stack([m / m.sum(1, keepdim=True) for m in marginals], dim=1)  # [anchor, slot, V]
+    noise = torch.randn(V, D, V, generator=torch.Generator().manual_seed(7))
+    draft = TableDraft((cond.log() * T).float() + noise)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros([V] * L, dtype=torch.long)
+    hist = torch.zeros(D + 1, dtype=torch.long)
+    for _ in range(runs):
+        toks, acc = tree_generate(model, draft, prompt, depth=D, budget=5, max_new_tokens=L, temperature=T,
+                                  generator=g)
+        counts[tuple(toks)] += 1
+        hist[acc[0]] += 1
+    assert min(hist[:3]) > runs / 20  # rejection at the root, at depth 1, and acceptance at depth 2+, all common
+    stat, critical = _chi_square(counts, exact)
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+
+def test_hybrid_and_sliding_targets_are_refused_in_one_line():
+    from transformers import DynamicCache, Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=64, vocab_size=32, layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(DFlashError) as e:
+        check_tree_target(cfg)
+    assert "qwen3_next layer 1 ('linear_attention') is linear attention" in str(e.value)
+    assert "\n" not in str(e.value) and "tree budget 0" in str(e.value)
+    with pytest.raises(DFlashError, match="layer 1 .* is linear attention"):
+        compact_cache(DynamicCache(config=cfg), torch.arange(3))
+
+    class OlderHybridCache:  # transformers before per-layer caches kept linear state on the cache itself
+        conv_states = recurrent_states = [None, None]
+
+    with pytest.raises(DFlashError, match=r"cache \(OlderHybridCache\) is linear attention"):
+        check_tree_cache(OlderHybridCache())
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    llama = tiny_llama(vocab=8)
+    check_tree_target(llama.config)  # full attention: fine
+    cache = DynamicCache(config=llama.config)
+    check_tree_cache(cache)
+    cache.layers[0] = DynamicSlidingWindowLayer(sliding_window=4)
+    with pytest.raises(DFlashError, match="layer 0 is a sliding-window layer"):
+        check_tree_cache(cache)
+
+
+# ---------------------------------------------------------------- the held-out estimate
+
+
+def random_sequence(T, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (T,), generator=g)
+    mask = torch.rand(T, generator=g) > 0.15
+    cands = mask & torch.cat([mask[1:], torch.zeros(1, dtype=torch.bool)])
+    cands[-1] = False
+    return tokens, mask, cands
+
+
+def drafter_logits(tokens, anchors, D, V, seed, skill=3.0):
+    """Per-anchor slot logits that often rank the reference token high (as a trained drafter would)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(anchors), D, V, generator=g)
+    T = len(tokens)
+    for i, p in enumerate(anchors.tolist()):
+        for k in range(D):
+            if p + 1 + k < T:
+                logits[i, k, tokens[p + 1 + k]] += skill * float(torch.rand(1, generator=g))
+    return logits
+
+
+def reference_of(tokens, mask, anchors, D):
+    T = len(tokens)
+    ref = torch.full((len(anchors), D), -1, dtype=torch.long)
+    for i, p in enumerate(anchors.tolist()):
+        for k in range(D):
+            q = p + 1 + k
+            if q >= T or not mask[q]:
+                break  # labels stop at the first unsupervised position, as the block labels do
+            ref[i, k] = tokens[q]
+    return ref
+
+
+def test_tree_estimate_equals_building_and_walking_each_tree():
+    T, V, D = 120, 12, 5
+    tokens, mask, cands = random_sequence(T, V, 10)
+    anchors = cands.nonzero()[:, 0]
+    logits = drafter_logits(tokens, anchors, D, V, 11)
+    ref = reference_of(tokens, mask, anchors, D)
+    budgets = [0, 1, 4, 16, 40]
+    lp, ids = slot_topk(logits, topk_for_budget(max(budgets), V))
+    est = tree_estimate(lp, ids, ref, anchors, cands, budgets)
+    taus = {}
+    for budget in budgets:
+        accepted = np.full(T, -1)
+        for i, p in enumerate(anchors.tolist()):
+            tree = build_tree(lp[i], ids[i], budget)
+            # The reference as the target's choice at every slot: the token after the node's position.
+            choice = torch.cat([ref[i], torch.tensor([-1])])[torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                         tree.depths_N])]
+            path, _ = walk(tree, choice)
+            accepted[p] = len(path)
+        assert est[budget] == walk_sequence(accepted, cands.numpy()), budget
+        taus[budget] = est[budget][1] / est[budget][0]
+    assert taus[0] < taus[4] < taus[16] <= taus[40]  # more budget, more accepted (this drafter)
+
+
+def test_budget_zero_is_the_greedy_chain_estimate():
+    T, V, D = 200, 20, 7
+    tokens, mask, cands = random_sequence(T, V, 12)
+    anchors = cands.nonzero()[:, 0]
+    logits = drafter_logits(tokens, anchors, D, V, 13, skill=5.0)
+    ref = reference_of(tokens, mask, anchors, D)
+    # Training's run(p): correct slots in a row from slot 1, the argmax against the labels.
+    hit = (logits.argmax(-1) == ref) & (ref >= 0)
+    runs = np.full(T, -1)
+    runs[anchors.numpy()] = hit.int().cumprod(-1).sum(-1).numpy()
+    lp, ids = slot_topk(logits, 1)
+    est = tree_estimate(lp, ids, ref, anchors, cands, [0])
+    assert est[0] == walk_sequence(runs, cands.numpy())
+    assert est[0][1] > 1.3 * est[0][0]  # the chain does accept drafts here
+    assert torch.equal(reference_depths(lp, ids, ref, 0), torch.from_numpy(runs[anchors.numpy()]))
+
+
+def test_estimate_chunks_anchors_without_changing_the_answer(monkeypatch):
+    import dflash_pipeline.decoding.tree as tree_mod
+
+    T, V, D = 80, 10, 4
+    tokens, mask, cands = random_sequence(T, V, 14)
+    anchors = cands.nonzero()[:, 0]
+    lp, ids = slot_topk(drafter_logits(tokens, anchors, D, V, 15), 16)
+    ref = reference_of(tokens, mask, anchors, D)
+    whole = reference_depths(lp, ids, ref, 16)
+    monkeypatch.setattr(tree_mod, "_CHUNK_ELEMENTS", 100)  # a few anchors per chunk
+    assert torch.equal(reference_depths(lp, ids, ref, 16), whole)
