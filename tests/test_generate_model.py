@@ -1,5 +1,6 @@
-"""`dflash generate` with the real embedded SmolLM2 (fp32, CPU): every reply equals plain greedy decoding
-of its prompt alone, later replies answer the regenerated history, the output round-trips through
+"""`dflash generate` with the real embedded SmolLM2 (fp32, CPU), decoding on the real engine (3 rows on the
+static-cache runner, refilled as replies end): every reply equals plain greedy decoding of its prompt
+alone (transformers' `generate()`, batch 1), later replies answer the regenerated history, the output round-trips through
 extraction with the loss mask on exactly the generated tokens, SIGKILL + re-run equals a clean run,
 changed settings are refused."""
 
@@ -21,13 +22,10 @@ from dflash_pipeline.errors import ConfigMismatchError, DFlashError
 from dflash_pipeline.generate.pipeline import run_generate
 from dflash_pipeline.schemas.generate import GenerateConfig
 
-sys.path.insert(0, str(Path(__file__).parent))
-from naive_rows import naive_rows_factory  # noqa: E402
-
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]
 
 MAX_NEW = 40
-ROWS = naive_rows_factory(3)
+MAX_LENGTH = 512
 
 CONVERSATIONS = [
     {"conversations": [{"from": "human", "value": "What is 3 plus 4? Answer with the number only."},
@@ -46,7 +44,8 @@ CONVERSATIONS = [
 
 
 def _cfg(out, data, **kw) -> GenerateConfig:
-    base = dict(out=str(out), data=[str(data)], max_new_tokens=MAX_NEW, shard_size=2, device="cpu", quiet=True)
+    base = dict(out=str(out), data=[str(data)], max_new_tokens=MAX_NEW, max_length=MAX_LENGTH,
+                batch_tokens=3 * MAX_LENGTH, shard_size=2, device="cpu", quiet=True)
     base.update(kw)
     return GenerateConfig(**base)
 
@@ -61,7 +60,7 @@ def data_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory, data_file):
     out = tmp_path_factory.mktemp("gen") / "out"
-    record = run_generate(_cfg(out, data_file), rows_factory=ROWS)
+    record = run_generate(_cfg(out, data_file))
     rows = [json.loads(line) for p in sorted(out.glob("shard-*.jsonl")) for line in p.read_text().splitlines()]
     return out, record, rows
 
@@ -155,18 +154,18 @@ def test_output_round_trips_through_extract(generated, references, tmp_path):
 
 def test_rerun_completes_nothing_and_refuses_other_settings(generated, data_file):
     out, _, _ = generated
-    again = run_generate(_cfg(out, data_file), rows_factory=ROWS)
+    again = run_generate(_cfg(out, data_file))
     assert again["shards_this_run"] == 0 and again["total"]["rows"] == 4
     with pytest.raises(ConfigMismatchError, match="temperature: the output has 0.0, this run asks for 0.5"):
-        run_generate(_cfg(out, data_file, temperature=0.5), rows_factory=ROWS)
+        run_generate(_cfg(out, data_file, temperature=0.5))
     with pytest.raises(ConfigMismatchError, match="turns: the output has 'all', this run asks for 'first'"):
-        run_generate(_cfg(out, data_file, turns="first"), rows_factory=ROWS)
+        run_generate(_cfg(out, data_file, turns="first"))
 
 
 def test_two_processes_write_the_same_rows(generated, data_file, tmp_path):
     _, _, rows = generated
     out = tmp_path / "two"
-    record = run_generate(_cfg(out, data_file, num_procs=2, shard_size=1, limit=2), rows_factory=ROWS)
+    record = run_generate(_cfg(out, data_file, num_procs=2, shard_size=1, limit=2))
     assert record["processes"] == 2 and [w["shards"] for w in record["workers"]] == [1, 1]
     got = [json.loads(line) for p in sorted(out.glob("shard-*.jsonl")) for line in p.read_text().splitlines()]
     assert got == rows[:2]
@@ -174,25 +173,24 @@ def test_two_processes_write_the_same_rows(generated, data_file, tmp_path):
 
 def test_missing_input_fails_before_any_work(tmp_path):
     with pytest.raises(DFlashError, match="nope.jsonl"):
-        run_generate(_cfg(tmp_path / "out", tmp_path / "nope.jsonl"), rows_factory=ROWS)
+        run_generate(_cfg(tmp_path / "out", tmp_path / "nope.jsonl"))
     assert not (tmp_path / "out").exists()
 
 
 _KILLABLE = """
 import sys
-sys.path.insert(0, sys.argv[1])
-from naive_rows import naive_rows_factory
 from dflash_pipeline.generate.pipeline import run_generate
 from dflash_pipeline.schemas.generate import GenerateConfig
 run_generate(GenerateConfig(out=sys.argv[2], data=[sys.argv[3]], max_new_tokens=int(sys.argv[4]), shard_size=2,
-                            device="cpu", quiet=True), rows_factory=naive_rows_factory(3))
+                            max_length=int(sys.argv[5]), batch_tokens=3 * int(sys.argv[5]), device="cpu", quiet=True))
 """
 
 
 def test_sigkill_then_rerun_equals_a_clean_run(generated, data_file, tmp_path):
     clean, _, _ = generated
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-c", _KILLABLE, str(Path(__file__).parent), str(out), str(data_file), str(MAX_NEW)]
+    cmd = [sys.executable, "-c", _KILLABLE, str(Path(__file__).parent), str(out), str(data_file), str(MAX_NEW),
+           str(MAX_LENGTH)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.time() + 300

@@ -29,6 +29,7 @@ from dflash_pipeline.generate.conversations import NoPrompt, iter_conversations,
 from dflash_pipeline.generate.engine import Engine
 from dflash_pipeline.generate.output import OutputFolder
 from dflash_pipeline.generate.progress import GenerateProgress
+from dflash_pipeline.generate.rows import check_target, open_rows
 from dflash_pipeline.generate.work import ShardCounts, ShardWork
 from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
@@ -119,6 +120,7 @@ def prepare(cfg: GenerateConfig, line: LiveLine) -> tuple[GenerateConfig, Prepar
         check_inputs(cfg.data)
     line.say("resolving target ...")
     target_path = resolve_target(cfg.target)
+    check_target(target_path)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target, max_positions = _target_identity(cfg, target_path, tokenizer)
     if cfg.max_length is None:
@@ -160,7 +162,7 @@ def _check_same_run(out: str, saved: dict[str, Any], now: dict[str, Any]) -> Non
 # Worker
 # ------------------------------------------------------------------------------------------------
 
-def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine, rows_factory=None) -> dict[str, Any]:
+def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine) -> dict[str, Any]:
     """Generate this process's share of the missing shards (by shard number); its counts and engine statistics."""
     from transformers import AutoTokenizer
 
@@ -178,10 +180,8 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine,
     model = load_target(prep.target_path, DTYPES[cfg.dtype], device)
     tokenizer = AutoTokenizer.from_pretrained(prep.target_path)
     stop_ids = stop_token_ids(tokenizer, model)
-    if rows_factory is None:
-        from dflash_pipeline.generate.rows import open_rows as rows_factory
     total = sum(s["conversations"] for s in prep.run["shards"] if s["shard"] in set(mine))
-    rows = rows_factory(model, cfg, device, line, max_rows=total)   # more rows than conversations would idle
+    rows = open_rows(model, cfg, device, line, max_rows=total)   # more rows than conversations would idle
     folder = OutputFolder(cfg.out)
     work = ShardWork(
         mine, folder.read_plan, lambda k, rows_, counts: folder.commit_shard(k, rows_, counts.to_dict(), cfg.format),
@@ -204,13 +204,12 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine,
 # Launch and the run record
 # ------------------------------------------------------------------------------------------------
 
-def run_generate(cfg: GenerateConfig, rows_factory=None) -> dict[str, Any]:
-    """Entry point of `dflash generate`. Returns the run record. `rows_factory` (tests): the worker's
-    row runner, `open_rows` by default."""
+def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
+    """Entry point of `dflash generate`. Returns the run record."""
     line = LiveLine(enabled=not cfg.quiet)
     proc = launched(cfg.device)
     if proc is not None:
-        return _run_launched(cfg, proc, line, rows_factory)
+        return _run_launched(cfg, proc, line)
     kind, nprocs = plan_processes(cfg.device, cfg.gpus, cfg.num_procs)
     cfg, prep = prepare(_resolve_dtype(cfg, kind), line)
     t0 = time.time()
@@ -218,7 +217,7 @@ def run_generate(cfg: GenerateConfig, rows_factory=None) -> dict[str, Any]:
         line.say(f"{cfg.out}: every shard is already generated; nothing to do")
         results = []
     else:
-        results = launch(worker_main, (cfg, prep, line, rows_factory), nprocs=nprocs, kind=kind)
+        results = launch(worker_main, (cfg, prep, line), nprocs=nprocs, kind=kind)
     return finish(cfg, prep, results, time.time() - t0, line)
 
 
@@ -226,7 +225,7 @@ def _resolve_dtype(cfg: GenerateConfig, kind: str) -> GenerateConfig:
     return cfg if cfg.dtype != "auto" else replace(cfg, dtype="bf16" if kind == "cuda" else "fp32")
 
 
-def _run_launched(cfg: GenerateConfig, proc: Proc, line: LiveLine, rows_factory) -> dict[str, Any]:
+def _run_launched(cfg: GenerateConfig, proc: Proc, line: LiveLine) -> dict[str, Any]:
     """Under torchrun / accelerate launch: rank 0 plans, every rank works, rank 0 writes the record."""
     import torch.distributed as dist
 
@@ -243,7 +242,7 @@ def _run_launched(cfg: GenerateConfig, proc: Proc, line: LiveLine, rows_factory)
         cfg, prep = box[0]
         t0 = time.time()
         gathered: list[Any] = [None] * proc.world
-        dist.all_gather_object(gathered, worker_main(proc, cfg, prep, line, rows_factory))
+        dist.all_gather_object(gathered, worker_main(proc, cfg, prep, line))
         record = finish(cfg, prep, gathered, time.time() - t0, line) if proc.is_main else {}
         dist.barrier()
     return record

@@ -44,16 +44,27 @@ def _shape(config) -> dict[str, int]:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of one cache slot: K and V of every layer, and the slot's position (int64, for sliding windows)."""
     s = _shape(config)
-    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * torch.empty(0, dtype=dtype).element_size()
+    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * torch.empty(0, dtype=dtype).element_size() + 8
+
+
+def runner_slots(capacity: int) -> int:
+    """Slots the decoding runner allocates per row for `capacity` tokens (it rounds up)."""
+    from dflash_pipeline.decoding.runner import SLOT_ROUND, round_up
+
+    return round_up(capacity, SLOT_ROUND)
 
 
 def step_workspace(config, dtype: torch.dtype, rows: int) -> int:
-    """Bytes a decode step needs beside the cache at `rows` rows: fp32 logits, sampling temporaries
-    (ids, two hash words, uniforms and scaled logits per vocabulary entry), activations."""
+    """Bytes a decode step needs beside the cache at `rows` rows: the model's logits and the runner's
+    fp32 copy, the sampling's temporaries per vocabulary entry at their worst (top-p over the whole
+    vocabulary: a sort's values and ids, softmax, cumulative mass, the masked logits, three hash words,
+    the uniform, its Gumbel noise and the noisy logits), activations."""
     s = _shape(config)
-    per_entry = 4 + 4 + 8 + 8 + 8 + 4 + 4        # logits, scaled, ids, hash x2, uniform, noisy logits
-    act = (4 * s["hidden"] + 3 * s["intermediate"]) * torch.empty(0, dtype=dtype).element_size()
+    elt = torch.empty(0, dtype=dtype).element_size()
+    per_entry = elt + 4 + (4 + 4 + 8 + 4 + 4 + 4 + 3 * 8 + 4 + 4 + 4)
+    act = (4 * s["hidden"] + 3 * s["intermediate"]) * elt
     return rows * (s["vocab"] * per_entry + act)
 
 
@@ -94,14 +105,14 @@ class RowBudget:
 def plan_rows(config, dtype: torch.dtype, capacity: int, free_bytes: int, *, max_rows: int = MAX_ROWS,
               batch_tokens: int | None = None) -> RowBudget:
     """The rows that fit `free_bytes` (or the rows `batch_tokens` asks for, refused if they do not fit)."""
-    per_token = kv_bytes_per_token(config, dtype)
-    prefill = prefill_workspace(config, dtype, capacity, max_rows)
+    per_token, slots = kv_bytes_per_token(config, dtype), runner_slots(capacity)
+    prefill = prefill_workspace(config, dtype, slots, max_rows)
     margin = int(free_bytes * FRAGMENTATION) + FIXED_MARGIN
-    per_row = capacity * per_token + step_workspace(config, dtype, 1)
+    per_row = slots * per_token + step_workspace(config, dtype, 1)
     fits = max(0, (free_bytes - margin - prefill) // per_row)
 
     def budget(rows: int) -> RowBudget:
-        return RowBudget(rows, capacity, per_token, rows * capacity * per_token, step_workspace(config, dtype, rows),
+        return RowBudget(rows, capacity, per_token, rows * slots * per_token, step_workspace(config, dtype, rows),
                          prefill, free_bytes, margin)
 
     if batch_tokens is not None:
@@ -134,10 +145,10 @@ def open_rows(model, cfg, device: torch.device, line, max_rows: int = MAX_ROWS):
         rows = cfg.batch_tokens // capacity if cfg.batch_tokens else min(CPU_ROWS, max_rows)
         if rows < 1:
             raise DFlashError(f"--batch-tokens {cfg.batch_tokens} is less than one sequence of --max-length {capacity}")
-        per_token = kv_bytes_per_token(model.config, dtype)
-        budget = RowBudget(rows, capacity, per_token, rows * capacity * per_token,
+        per_token, slots = kv_bytes_per_token(model.config, dtype), runner_slots(capacity)
+        budget = RowBudget(rows, capacity, per_token, rows * slots * per_token,
                            step_workspace(model.config, dtype, rows),
-                           prefill_workspace(model.config, dtype, capacity, rows), 0, 0)
+                           prefill_workspace(model.config, dtype, slots, rows), 0, 0)
     line.say(budget.text())
     return make_rows(model, budget.rows, capacity, device)
 
@@ -155,6 +166,10 @@ class RunnerRows:
         self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK)
         self.num_rows, self.capacity, self.device = num_rows, capacity, self.runner.device
         self.io = self.runner.inputs(1)
+        if self.runner.graphs:
+            # Every step graph (one per slot bucket) captured now, while no row holds a sequence: none is
+            # captured mid-run, and capture's temporaries are taken before the rows' memory is in use.
+            self.runner.prepare((1,))
         self.head = Target(model).logits   # the LM head with the target's logit scale and soft-capping
 
     def reset_row(self, row: int) -> None:
@@ -175,11 +190,28 @@ class RunnerRows:
         self.runner.close()
 
 
+def _refuse(reason: str | None) -> None:
+    if reason:
+        raise DFlashError(f"dflash generate: the static-cache decoding runner cannot run this target: {reason} "
+                          "(generate has no eager fallback; regenerate with a serving engine and give its "
+                          "conversations to `dflash extract --data`)")
+
+
+def check_target(target_path) -> None:
+    """Refuse, before anything is planned or loaded, a target the decoding runner cannot run (hybrid
+    linear-attention layers, ...): the runner's own test, on the model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_pipeline.decoding.runner import unsupported_reason
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target_path))
+    _refuse(unsupported_reason(model))
+
+
 def make_rows(model, num_rows: int, capacity: int, device: torch.device) -> RunnerRows:
     """`num_rows` sequences of up to `capacity` tokens on the decoding runner (graphed on CUDA)."""
     from dflash_pipeline.decoding.runner import unsupported_reason
 
-    reason = unsupported_reason(model)
-    if reason:
-        raise DFlashError(f"dflash generate: the static-cache decoding runner cannot run this target: {reason}")
+    _refuse(unsupported_reason(model))
     return RunnerRows(model, num_rows, capacity)
