@@ -75,17 +75,23 @@ class _Requests:
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_on_the_runner_equals_plain_greedy_decoding_of_each_prompt(kind):
     model = tiny_causal_lm(kind, seed=2)
-    prompts = [p.tolist() for p in _prompts([9, 3, 26, 14, 6, 21, 11], seed=3)]
-    limits = [12, 5, 9, 16, 3, 10, 7]
+    capacity = 64   # = the runner's slots: the last request fills its row exactly
+    prompts = [p.tolist() for p in _prompts([9, 3, 26, 14, 6, 21, 11, 52], seed=3)]
+    limits = [12, 5, 9, 16, 3, 10, 7, capacity - 52]
     refs = [hf_greedy(model, p, n) for p, n in zip(prompts, limits)]
-    stop = refs[0][4]   # a token the replies produce: some end on it, others at their limit
+    # A token some replies produce (they end on it) and others do not (they end at their limit).
+    stop = next(t for ref in refs[:-1] for t in ref
+                if t not in refs[-1] and any(t not in other for other in refs[:-1]))
     want = {}
     for i, ref in enumerate(refs):
         cut = ref[:ref.index(stop) + 1] if stop in ref else ref
         want[i] = (cut, "stop" if stop in ref else "length")
-    assert {f for _, f in want.values()} == {"stop", "length"}
-    rows = make_rows(model, 3, 48, torch.device("cpu"))
-    source = _Requests([Request(i, p, 0, n, "length") for i, (p, n) in enumerate(zip(prompts, limits))])
+    want[len(refs) - 1] = (refs[-1], "context")
+    assert {f for _, f in want.values()} == {"stop", "length", "context"}
+    rows = make_rows(model, 3, capacity, torch.device("cpu"))
+    assert rows.runner.slots == capacity
+    source = _Requests([Request(i, p, 0, n, "context" if i == len(refs) - 1 else "length")
+                        for i, (p, n) in enumerate(zip(prompts, limits))])
     stats = Engine(rows, stop_ids=[stop]).run(source)
     rows.close()
     assert source.done == want
