@@ -59,7 +59,7 @@ for p in $parts; do
   case $p in
   cuda-tests)
     part cuda-tests "${LIMIT_CUDA_TESTS:-420}" "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py \
-      tests/test_decoding_cuda.py ;;
+      tests/test_decoding_cuda.py tests/test_generate_cuda.py ;;
   replica)
     # --gpus-per-replica 2 against the whole target on one GPU: the same store (needs two GPUs).
     part replica "${LIMIT_REPLICA:-200}" "$py" bench/replica.py --tokenizer "$tok" --work "$work" --json "$out/replica.json" "${smoke[@]}" ;;

@@ -181,7 +181,7 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine)
     tokenizer = AutoTokenizer.from_pretrained(prep.target_path)
     stop_ids = stop_token_ids(tokenizer, model)
     total = sum(s["conversations"] for s in prep.run["shards"] if s["shard"] in set(mine))
-    rows = open_rows(model, cfg, device, line, max_rows=total)   # more rows than conversations would idle
+    rows = open_rows(model, cfg, device, line, total)
     folder = OutputFolder(cfg.out)
     work = ShardWork(
         mine, folder.read_plan, lambda k, rows_, counts: folder.commit_shard(k, rows_, counts.to_dict(), cfg.format),

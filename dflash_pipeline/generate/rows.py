@@ -40,7 +40,9 @@ def _shape(config) -> dict[str, int]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return {"layers": c.num_hidden_layers, "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
             "heads": c.num_attention_heads, "head_dim": head_dim, "hidden": c.hidden_size,
-            "intermediate": getattr(c, "intermediate_size", 4 * c.hidden_size), "vocab": c.vocab_size}
+            "intermediate": getattr(c, "intermediate_size", 4 * c.hidden_size), "vocab": c.vocab_size,
+            # the runner builds one attention bias per window the config names (full attention included)
+            "windows": 1 + bool(getattr(c, "sliding_window", None))}
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -71,12 +73,14 @@ def step_workspace(config, dtype: torch.dtype, rows: int) -> int:
 def prefill_workspace(config, dtype: torch.dtype, capacity: int, rows: int) -> int:
     """Bytes one prefill forward needs (generate/prefill.py): at most T = PREFILL_TOKENS padded tokens
     of activations and folded attention bias over C slots, the rows' gathered K and V (at most T/Q rows
-    reach C slots; shorter ones attend to fewer), and the last tokens' logits of every row."""
+    reach C slots; shorter ones attend to fewer), and the last tokens' logits of every row. The bias is
+    one per attention window, each made from a folded visibility copy (bool) that lives while it is built."""
     s = _shape(config)
     elt = torch.empty(0, dtype=dtype).element_size()
     T, C, Q = PREFILL_TOKENS, capacity, PREFILL_CHUNK
     act = T * (6 * s["hidden"] + 3 * s["intermediate"]) * elt
-    bias = T * (s["heads"] // s["kv_heads"]) * C * elt + T * C          # the additive bias and the visibility
+    folded = T * (s["heads"] // s["kv_heads"]) * C
+    bias = s["windows"] * folded * elt + folded + T * C                   # biases, folded copy, visibility
     kv = max(T, (T // Q) * C) * s["kv_heads"] * s["head_dim"] * elt * 2
     logits = min(rows, T) * s["vocab"] * (elt + 4 + 4)                    # head output, fp32, sampling
     return act + bias + kv + logits
@@ -102,18 +106,25 @@ class RowBudget:
                 f"step and prefill workspace {(self.step_bytes + self.prefill_bytes) / GIB:.1f} GiB{free}")
 
 
+def budget_for(config, dtype: torch.dtype, capacity: int, rows: int, *, prefill_rows: int | None = None,
+               free_bytes: int = 0, margin: int = 0) -> RowBudget:
+    """What `rows` rows of `capacity` tokens need (the prefill's logits sized for `prefill_rows`)."""
+    per_token, slots = kv_bytes_per_token(config, dtype), runner_slots(capacity)
+    return RowBudget(rows, capacity, per_token, rows * slots * per_token, step_workspace(config, dtype, rows),
+                     prefill_workspace(config, dtype, slots, prefill_rows or rows), free_bytes, margin)
+
+
 def plan_rows(config, dtype: torch.dtype, capacity: int, free_bytes: int, *, max_rows: int = MAX_ROWS,
               batch_tokens: int | None = None) -> RowBudget:
     """The rows that fit `free_bytes` (or the rows `batch_tokens` asks for, refused if they do not fit)."""
-    per_token, slots = kv_bytes_per_token(config, dtype), runner_slots(capacity)
-    prefill = prefill_workspace(config, dtype, slots, max_rows)
     margin = int(free_bytes * FRAGMENTATION) + FIXED_MARGIN
-    per_row = slots * per_token + step_workspace(config, dtype, 1)
-    fits = max(0, (free_bytes - margin - prefill) // per_row)
 
     def budget(rows: int) -> RowBudget:
-        return RowBudget(rows, capacity, per_token, rows * slots * per_token, step_workspace(config, dtype, rows),
-                         prefill, free_bytes, margin)
+        return budget_for(config, dtype, capacity, rows, prefill_rows=max_rows, free_bytes=free_bytes, margin=margin)
+
+    one = budget(1)
+    prefill = one.prefill_bytes
+    fits = max(0, (free_bytes - margin - prefill) // (one.kv_bytes + one.step_bytes))
 
     if batch_tokens is not None:
         rows = batch_tokens // capacity
@@ -133,22 +144,22 @@ def plan_rows(config, dtype: torch.dtype, capacity: int, free_bytes: int, *, max
     return budget(rows)
 
 
-def open_rows(model, cfg, device: torch.device, line, max_rows: int = MAX_ROWS):
-    """The runner of `dflash generate`'s worker: rows planned for this device's free memory."""
+def open_rows(model, cfg, device: torch.device, line, conversations: int):
+    """The runner of `dflash generate`'s worker: rows planned for this device's free memory, never more
+    than the worker's conversations (a row without one would only idle)."""
     capacity = int(cfg.max_length)
     dtype = model.get_input_embeddings().weight.dtype
+    asked = min(cfg.batch_tokens, conversations * capacity) if cfg.batch_tokens else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        budget = plan_rows(model.config, dtype, capacity, free, max_rows=max_rows, batch_tokens=cfg.batch_tokens)
+        budget = plan_rows(model.config, dtype, capacity, free, max_rows=min(MAX_ROWS, conversations),
+                           batch_tokens=asked)
     else:
-        rows = cfg.batch_tokens // capacity if cfg.batch_tokens else min(CPU_ROWS, max_rows)
+        rows = asked // capacity if asked else min(CPU_ROWS, conversations)
         if rows < 1:
             raise DFlashError(f"--batch-tokens {cfg.batch_tokens} is less than one sequence of --max-length {capacity}")
-        per_token, slots = kv_bytes_per_token(model.config, dtype), runner_slots(capacity)
-        budget = RowBudget(rows, capacity, per_token, rows * slots * per_token,
-                           step_workspace(model.config, dtype, rows),
-                           prefill_workspace(model.config, dtype, slots, rows), 0, 0)
+        budget = budget_for(model.config, dtype, capacity, rows)
     line.say(budget.text())
     return make_rows(model, budget.rows, capacity, device)
 
