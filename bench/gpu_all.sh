@@ -25,7 +25,7 @@
 set -u
 out=${1:?usage: bench/gpu_all.sh OUTDIR [PART ...]}
 shift
-parts=${*:-cuda-tests extract train-store eval decode codecs train-step}
+parts=${*:-cuda-tests extract train-store eval decode generate codecs train-step}
 gpus=${GPUS:-1}
 work=${WORK:-/tmp/dflash-bench}
 tok=${TOKENIZER:-.bench_assets/tokenizer}
