@@ -1,16 +1,22 @@
 """How many sequences `dflash generate` keeps in flight, and the decoding runner that holds them.
 
 The number of rows is computed from the target's shapes and the device's free memory, not guessed:
-a row holds `--max-length` tokens of KV cache (layers x 2 x KV heads x head dim x dtype bytes per
-token), and beside the cache a step needs its logits and the sampling's temporaries (fp32 and int64
-per vocabulary entry per row), and a prefill (several rows, generate/prefill.py) its activations,
-attention bias, gathered K/V and last-token logits.
+a row holds `--max-length` tokens (rounded up to the runner's slot multiple) of KV cache (layers x 2
+x KV heads x head dim x dtype bytes per slot, and the slot's int64 position), and beside the cache a
+step needs its logits and the sampling's temporaries (fp32 and int64 per vocabulary entry per row),
+and a prefill (several rows, generate/prefill.py) its activations, attention biases, gathered K/V and
+last-token logits.
 Every term is counted at its largest; what remains of free memory, less a margin for the allocator's
-fragmentation, is divided among rows. The CUDA-only test checks the count against the real peak.
+fragmentation and the graphs' pool, is divided among rows, at most `MAX_ROWS` and never more than the
+worker's conversations. tests/test_generate_cuda.py checks the plan against the real peak, and
+bench/generate.py's `memory` part runs the plan for a Qwen3-8B shape on the whole GPU.
 
 `--batch-tokens N` asks for N // max_length rows instead; a request that does not fit is refused
 with what it needs and what is free. On the CPU, where memory is not the limit but matmul width is,
 the default is `CPU_ROWS`.
+
+Targets the runner cannot run are refused (`check_target`, before anything is planned): there is no
+eager fallback (README, "Generation").
 
 Legend: R rows, C capacity (tokens per row), V vocabulary, H hidden, I intermediate, Q prefill chunk.
 """
