@@ -529,8 +529,10 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
     cfg = EvalConfig(drafter=drafter, target=str(smollm_dir), prompts=[write_prompts(tmp_path / "p.jsonl")],
                      num_prompts=3, max_new_tokens=24)
     report = run_eval(cfg)
-    assert report["lossless"] is True and report["mismatches"] == []
-    assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock"
+    assert report["lossless"] is True and report["mismatches"] == [] and report["tie_divergences"] == []
+    assert report["lossless_rule"].startswith("exact") and report["dtype"] == "float32"
+    assert list(report["per_file"]) == cfg.prompts and report["per_file"][cfg.prompts[0]]["tau"] == report["tau"]
+    assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock" and report["processes"] == 1
     assert all(report["step_ms"][k] > 0 for k in ("target_decode", "target_verify", "drafter"))
     ms = report["step_ms"]
     assert report["speedup_from_step_times"] == pytest.approx(

@@ -139,11 +139,13 @@ def read_drafter_config(directory: str):
 
 
 def load_drafter(directory: str, dtype: torch.dtype, device: torch.device):
+    from safetensors import SafetensorError
+
     from dflash_pipeline.train.export import load_exported
 
     try:
         model, _ = load_exported(directory, dtype=dtype, device=device)
-    except (ValueError, RuntimeError, OSError) as e:  # safetensors and state-dict errors included
+    except (ValueError, RuntimeError, OSError, SafetensorError) as e:  # a damaged file, a state-dict mismatch
         raise DFlashError(f"{directory}: cannot load the drafter weights ({str(e).splitlines()[0]})") from None
     return model
 
