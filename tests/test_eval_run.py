@@ -208,3 +208,22 @@ def test_a_user_error_in_a_process_is_one_line(tmp_path, smollm_dir):
     cfg.records = None
     with pytest.raises(DFlashError, match="cannot load the drafter weights"):
         run_eval(cfg)
+
+
+def test_command_line_takes_several_prompt_files_and_the_new_options(monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.eval import run
+
+    seen = []
+    monkeypatch.setattr(run, "run_eval", lambda cfg, progress=None: seen.append(cfg) or {})
+    res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--prompts", "chat.jsonl", "code.jsonl", "math.jsonl",
+                                   "--all-turns", "--gpus", "2", "--records", "r.jsonl"])
+    assert res.exit_code == 0, res.output
+    cfg = seen[-1]
+    assert cfg.prompts == ["chat.jsonl", "code.jsonl", "math.jsonl"] and cfg.all_turns and cfg.gpus == "2"
+    assert cfg.records == "r.jsonl" and cfg.max_new_tokens == 2048 and cfg.num_prompts == 32
+    assert CliRunner().invoke(app, ["eval", "--drafter", "d"]).exit_code == 0 and seen[-1].prompts is None
+    res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--gpus", "two"])
+    assert res.exit_code == 2 and "--gpus must be 'all' or a positive number" in res.stderr

@@ -299,7 +299,9 @@ def _decode_share(proc: Proc, cfg: EvalConfig, prompts: list[Prompt], progress: 
                   vocab_rows=model.get_input_embeddings().weight.shape[0], where=where)
     drafter_model = load_drafter(cfg.drafter, dtype, device)
     stop_ids = stop_token_ids(AutoTokenizer.from_pretrained(target_path), model)
-    target, drafter = make_participants(model, drafter_model, [p for _, p in mine], cfg, progress)
+    # Caches sized for the run's longest prompt, not this share's: every process then runs the same step
+    # shapes, so a prompt's tokens do not depend on which process decodes it.
+    target, drafter = make_participants(model, drafter_model, prompts, cfg, progress)
     try:
         progress.say(f"decoding {len(mine)} prompts{of}, up to {cfg.max_new_tokens} new tokens each, "
                      f"block {drafter.block_size}, temperature {cfg.temperature:g}")
