@@ -261,7 +261,7 @@ class Bench:
                     else ["--prompts", str(self.data("prompts-chat.jsonl")), "--num-prompts", str(p.eval_prompts)]
                 cmd = self.dflash("eval", "--drafter", str(self.run_dir(run) / "final"), *self.target_args(),
                                   *prompts, "--max-new-tokens", str(p.eval_new_tokens), "--temperature", str(t),
-                                  "--json", *p.device_args)
+                                  "--gpus", "1", "--json", *p.device_args)
                 tmp = path.with_suffix(".part")
                 if self.redo:
                     path.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ import jinja2
 import numpy as np
 
 from dflash_pipeline.extract.readers import (
-    NO_ASSISTANT, NOT_IN_RENDERING, TEMPLATE_ERROR, BadRowError, DataReport, Messages, iter_rows, prompt_messages,
+    NO_ASSISTANT, NOT_IN_RENDERING, TEMPLATE_ERROR, BadRowError, DataReport, Messages, iter_rows, turn_prompts,
 )
 
 
@@ -167,6 +167,21 @@ def iter_prompts(
     The prompt is rendered with the generation prompt; `{"prompt": "..."}` records are one user
     message. Rows without a prompt are skipped and, when `report` is given, recorded there.
     """
+    for sample_id, _, ids in iter_prompt_turns(paths, tokenizer, limit, split, report):
+        yield sample_id, ids
+
+
+def iter_prompt_turns(
+    paths: list[str] | None,
+    tokenizer: Any,
+    limit: int | None = None,
+    split: str = "eval",
+    report: DataReport | None = None,
+    all_turns: bool = False,
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(sample_id, turn, prompt ids int32 [T]): `iter_prompts`, and with `all_turns` every later point
+    of a conversation where the assistant replies (readers.turn_prompts), its history as the prompt;
+    turn 0 is the first. `limit` counts prompts."""
     if report is None:
         report = DataReport()
     if limit is not None and limit <= 0:
@@ -176,12 +191,14 @@ def iter_prompts(
     for where, record in rows:
         report.num_rows_read += 1
         try:
-            ids = chat.prompt(prompt_messages(record))
+            heads = turn_prompts(record)
+            prompts = [chat.prompt(head) for head in (heads if all_turns else heads[:1])]
         except BadRowError as e:
             report.skip(where.file, where.row, e.bad.reason, e.bad.detail)
             continue
-        report.num_samples += 1
-        report.num_tokens += len(ids)
-        yield where.sample_id, ids
-        if limit is not None and report.num_samples >= limit:
-            return
+        for turn, ids in enumerate(prompts):
+            report.num_samples += 1
+            report.num_tokens += len(ids)
+            yield where.sample_id, turn, ids
+            if limit is not None and report.num_samples >= limit:
+                return

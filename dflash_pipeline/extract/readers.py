@@ -349,13 +349,22 @@ def record_messages(record: Any) -> Messages | str:
 def prompt_messages(record: Any) -> Messages:
     """The conversation before its first reply (what a model is asked to continue). Raises BadRowError,
     also for a `BadRow` in place of the record."""
+    return turn_prompts(record)[0]
+
+
+def turn_prompts(record: Any) -> list[Messages]:
+    """Every point of the conversation where the assistant is asked to reply: the messages before its
+    first reply, then the history before each later reply that follows a user turn, and the whole
+    conversation when it ends with a user turn after a reply. Raises BadRowError as `prompt_messages`."""
     if isinstance(record, BadRow):
         raise BadRowError(record.reason, record.detail)
     messages = record_messages(record)
     if isinstance(messages, str):
         raise BadRowError(NO_PROMPT, "a plain 'text' record has no prompt")
-    first_reply = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    head = messages[:first_reply]
-    if not any(m["role"] == "user" for m in head):
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    first_reply = replies[0] if replies else len(messages)
+    if not any(m["role"] == "user" for m in messages[:first_reply]):
         raise BadRowError(NO_PROMPT, "no user turn before the first assistant turn")
-    return head
+    ends = [first_reply] + [i for i in [*replies[1:], len(messages)] if i > first_reply
+                            and messages[i - 1]["role"] == "user"]
+    return [messages[:i] for i in ends]
