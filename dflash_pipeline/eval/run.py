@@ -47,9 +47,13 @@ class EvalConfig:
     dtype: str = "auto"                    # auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16
     device: str = "auto"                   # auto (cuda if available), cpu, cuda, cuda:N
     compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
+    chat_template_kwargs: dict[str, Any] | str | None = None  # prompts' chat-template variables, as for extract
     json: bool = False                     # print the report as JSON instead of tables
 
     def __post_init__(self):
+        from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
+
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
         if not self.drafter:
             raise ValueError("eval: a drafter folder is required")
         if isinstance(self.prompts, str):
@@ -189,10 +193,12 @@ def _progress_line(results: list[PromptResult], total: int, greedy: bool) -> str
     return line + (f", {differ} differ from greedy" if differ else "")
 
 
-def load_prompts(paths: list[str] | None, tokenizer, limit: int) -> list[tuple[int, list[int]]]:
+def load_prompts(paths: list[str] | None, tokenizer, limit: int,
+                 template_kwargs: dict[str, Any] | None = None) -> list[tuple[int, list[int]]]:
     from dflash_pipeline.extract.chat import iter_prompts
 
-    prompts = [(sid, ids.tolist()) for sid, ids in iter_prompts(paths, tokenizer, limit, split="eval")]
+    prompts = [(sid, ids.tolist())
+               for sid, ids in iter_prompts(paths, tokenizer, limit, split="eval", template_kwargs=template_kwargs)]
     if not prompts:
         where = ", ".join(paths) if paths else "the embedded held-out split"
         raise DFlashError(f"{where}: no usable prompts (each record needs a user turn before its first reply)")
@@ -242,7 +248,7 @@ def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any
     check_pairing(dcfg, hidden_size=hidden, num_layers=layers,
                   vocab_rows=model.get_input_embeddings().weight.shape[0], where=where)
     drafter_model = load_drafter(cfg.drafter, dtype, device)
-    prompts = load_prompts(cfg.prompts, tokenizer, cfg.num_prompts)
+    prompts = load_prompts(cfg.prompts, tokenizer, cfg.num_prompts, cfg.chat_template_kwargs)
 
     target, drafter = make_participants(model, drafter_model, prompts, cfg, progress)
     try:
