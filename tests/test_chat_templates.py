@@ -290,3 +290,44 @@ def test_unread_kwargs_are_named(smollm_tokenizer):
     assert unused_template_kwargs(tok, {"enable_thinking": False, "preserve_thinking": True}) == []
     assert unused_template_kwargs(tok, {"enable_thinkng": False}) == ["enable_thinkng"]
     assert unused_template_kwargs(smollm_tokenizer, {"enable_thinking": False}) == ["enable_thinking"]
+
+
+def test_extract_records_the_kwargs_and_refuses_others_on_resume(tmp_path, smollm_tokenizer, smollm_dir):
+    """`dflash extract` on a tiny random Qwen3.5 with Qwen3.5's template, thinking off: the store's masks are
+    the tokenizer's, the store records the variables, and a resume with other variables is refused."""
+    from dflash_pipeline.errors import ConfigMismatchError
+    from dflash_pipeline.extract.pipeline import run_extract
+    from dflash_pipeline.schemas.config import ExtractConfig
+    from dflash_pipeline.store.reader import StoreReader
+    from families import build
+
+    family = next(f for f in FAMILIES if f.model_type == "qwen3_5")
+    target = build(family, tmp_path / "target", smollm_dir)
+    (target / "chat_template.jinja").write_text((TEMPLATES / "qwen3_5.jinja").read_text())
+    data = tmp_path / "conv.jsonl"
+    records = [plain(f"{i} times {i} is {i * i}.") for i in range(3)] + [tool_chat(True)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def extract(kwargs):
+        return run_extract(ExtractConfig(out=str(tmp_path / "store"), target=str(target), data=[str(data)],
+                                         max_length=512, topk=2, tokens_per_batch=1024, segment_tokens=4096,
+                                         tokenize_workers=1, quiet=True, device="cpu", dtype="fp32", num_features=2,
+                                         chat_template_kwargs=kwargs))
+
+    off = '{"enable_thinking": false}'  # as the command line gives it
+    extract(off)
+    r = StoreReader(str(tmp_path / "store"))
+    assert r.meta.extract_config["chat_template_kwargs"] == {"enable_thinking": False}
+    tok = r.load_tokenizer()
+    chat = ChatTokenizer(tok, {"enable_thinking": False})
+    assert r.num_samples == len(records)
+    for row in range(r.num_samples):
+        s = r.read_sample(row)
+        ids, mask = chat.tokens(record_messages(records[s.sample_id]), record_tools(records[s.sample_id]))
+        assert s.tokens_T.tolist() == ids.tolist() and s.loss_mask_T.tolist() == mask.tolist()
+    assert extract({"enable_thinking": False})["segments_this_run"] == 0  # the same run resumes
+    with pytest.raises(ConfigMismatchError, match=r"chat_template_kwargs: store has \{'enable_thinking': False\}, "
+                                                  r"asked for \{\}"):
+        extract(None)
+    with pytest.raises(ValueError, match="must be a JSON object, got a JSON list"):  # the CLI: one line, exit 2
+        extract("[1]")
