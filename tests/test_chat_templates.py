@@ -285,6 +285,18 @@ def test_kwargs_reach_workers_and_prompts(tmp_path, smollm_tokenizer):
     assert tok.decode(ids.tolist()).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def test_kwargs_parser():
+    from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
+
+    assert parse_chat_template_kwargs(None) == {} and parse_chat_template_kwargs("") == {}
+    assert parse_chat_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    assert parse_chat_template_kwargs({"preserve_thinking": True}) == {"preserve_thinking": True}
+    for text, needle in [("enable_thinking=false", "must be a JSON object"), ("[1]", "got a JSON list"),
+                         ('{"tools": []}', "tools cannot be set here"), ('{"a b": 1}', "not a template variable")]:
+        with pytest.raises(ValueError, match=needle):
+            parse_chat_template_kwargs(text)
+
+
 def test_unread_kwargs_are_named(smollm_tokenizer):
     tok = template_tokenizer(smollm_tokenizer, "qwen3_6")
     assert unused_template_kwargs(tok, {"enable_thinking": False, "preserve_thinking": True}) == []
