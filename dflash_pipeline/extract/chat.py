@@ -14,9 +14,10 @@ So each assistant turn is supervised from where its rendering departs from G to 
 - tool calls are the assistant's text; tool results, like user and system turns, are never supervised.
 
 How the spans are found:
-- Most templates have no `{% generation %}` markers, and rendering prefixes of a conversation fails
-  for templates that render a turn differently depending on what follows it (Qwen3's think blocks after
-  the last user query). So each conversation is rendered twice: as is, and with every text field
+- Most templates have no `{% generation %}` markers, and rendering prefixes of a conversation costs a
+  rendering per turn and fails for templates that render a turn differently depending on what follows
+  it (a Qwen3 reply that ends a prefix gets a think block it does not have in the whole conversation).
+  So each conversation is rendered twice: as is, and with every text field
   (content, reasoning, tool-call name) replaced by a unique mark. The text between marks is the
   template's scaffolding (role headers, inserted blocks, tool-call syntax); walking the real rendering
   along it gives each field's exact character span, however short or repeated the text, and puts
