@@ -131,6 +131,7 @@ def extract(
     data: Optional[list[str]] = typer.Option(None, "--data", help="JSONL/JSON/Parquet conversations (ShareGPT, OpenAI messages or text); repeatable. Default: the embedded ShareGPT conversations."),
     max_length: int = typer.Option(2048, "--max-length", help="Truncate samples to this many tokens."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use at most this many samples."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}' (Qwen3/3.5 thinking off): conversations are rendered and masked as the target is served with them."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layer ids to capture, e.g. 1,9,17,25,33 (0-based outputs, before the final norm)."),
     num_features: int = typer.Option(5, "--num-features", help="Without --layers: capture this many layers, spread as DFlash does."),
     topk: int = typer.Option(32, "--topk", help="Teacher top-k log-probabilities kept per token (0: none)."),
@@ -149,7 +150,7 @@ def extract(
     from dflash_pipeline.schemas.config import ExtractConfig
 
     cfg = _config(ExtractConfig, out=out, target=target, data=list(data or []), max_length=max_length,
-                  limit=limit, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
+                  limit=limit, chat_template_kwargs=chat_template_kwargs, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
                   codec=codec, tokens_per_batch=tokens_per_batch, segment_tokens=segment_tokens, gpus=gpus,
                   gpus_per_replica=gpus_per_replica, dtype=dtype, device=device, quiet=quiet,
                   writer_processes=writer_processes)
@@ -253,6 +254,7 @@ def eval_cmd(
     gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs: prompts are divided over one process per GPU."),
     records: Optional[str] = typer.Option(None, "--records", help="Also write one JSON line per prompt (tokens of both runs, divergences) to this file."),
     compile_steps: bool = typer.Option(False, "--compile", help="torch.compile the graphed decode/verify/drafter steps (fused kernels; compiles for a minute or more first)."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables for the prompts, as given to extract (e.g. '{\"enable_thinking\": false}')."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Real acceptance length: speculative decoding of the drafter against the target (exit 1 if greedy output differs at a clear margin)."""
@@ -266,7 +268,7 @@ def eval_cmd(
     cfg = _config(EvalConfig, drafter=drafter, target=target, prompts=files or None, num_prompts=num_prompts,
                   max_new_tokens=max_new_tokens, all_turns=all_turns, temperature=temperature, block_size=block_size,
                   seed=seed, dtype=dtype, device=device, gpus=gpus, records=records, compile=compile_steps,
-                  json=json_out)
+                  chat_template_kwargs=chat_template_kwargs, json=json_out)
     report = run_eval(cfg, LiveLine(enabled=not json_out))
     if not report:  # a rank other than 0 under a launcher: rank 0 reports
         return

@@ -34,8 +34,10 @@ def as_prompt(p) -> Prompt:
     return Prompt("", int(sample_id), 0, [int(t) for t in ids])
 
 
-def load_prompts(paths: list[str] | None, tokenizer, limit: int, all_turns: bool = False) -> list[Prompt]:
-    """At most `limit` prompts of each file (the embedded held-out split without paths), in file order."""
+def load_prompts(paths: list[str] | None, tokenizer, limit: int, all_turns: bool = False,
+                 template_kwargs: dict | None = None) -> list[Prompt]:
+    """At most `limit` prompts of each file (the embedded held-out split without paths), in file order,
+    rendered with the chat template's `template_kwargs` (e.g. enable_thinking), as extraction renders them."""
     from dflash_pipeline.extract.chat import iter_prompt_turns
     from dflash_pipeline.extract.readers import check_inputs
 
@@ -45,7 +47,8 @@ def load_prompts(paths: list[str] | None, tokenizer, limit: int, all_turns: bool
         label = EMBEDDED if path is None else path
         got = [Prompt(label, sid, turn, ids.tolist())
                for sid, turn, ids in iter_prompt_turns(None if path is None else [path], tokenizer, limit,
-                                                       split="eval", all_turns=all_turns)]
+                                                       split="eval", all_turns=all_turns,
+                                                       template_kwargs=template_kwargs)]
         if not got:
             where = path or "the embedded held-out split"
             raise DFlashError(f"{where}: no usable prompts (each record needs a user turn before its first reply)")

@@ -61,9 +61,13 @@ class EvalConfig:
     num_procs: int | None = None           # CPU only: processes (tests of the multi-process path)
     records: str | None = None             # a JSONL file: one line per prompt, tokens included
     compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
+    chat_template_kwargs: dict[str, Any] | str | None = None  # prompts' chat-template variables, as for extract
     json: bool = False                     # print the report as JSON instead of tables
 
     def __post_init__(self):
+        from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
+
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
         if not self.drafter:
             raise ValueError("eval: a drafter folder is required")
         if isinstance(self.prompts, str):
@@ -364,7 +368,8 @@ def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any
     hidden, layers, vocab = _target_shape(AutoConfig.from_pretrained(target_path))
     check_pairing(dcfg, hidden_size=hidden, num_layers=layers, vocab_rows=vocab,
                   where=f"{cfg.drafter} vs target {cfg.target or 'embedded default'}")
-    prompts = load_prompts(cfg.prompts, AutoTokenizer.from_pretrained(target_path), cfg.num_prompts, cfg.all_turns)
+    prompts = load_prompts(cfg.prompts, AutoTokenizer.from_pretrained(target_path), cfg.num_prompts, cfg.all_turns,
+                           cfg.chat_template_kwargs)
     if proc is not None:
         shares = _gather(proc, eval_rank(proc, cfg, prompts, progress))
         if not proc.is_main:

@@ -34,6 +34,7 @@ from dflash_pipeline.launch import (
 )
 from dflash_pipeline.method import default_layer_ids
 from dflash_pipeline.progress import LiveLine, fmt_count, fmt_duration
+from dflash_pipeline.schemas.chat_template import unused_template_kwargs
 from dflash_pipeline.schemas.config import ExtractConfig
 from dflash_pipeline.schemas.store import StoreMeta, TargetInfo, TokenizerInfo
 from dflash_pipeline.store.backends import KV, open_zarr_store
@@ -88,6 +89,11 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     inputs = [Path(p) for p in cfg.data] if cfg.data else [embedded_sharegpt_path()]
     fp_options = {"max_length": cfg.max_length, "limit": cfg.limit, "segment_tokens": cfg.segment_tokens,
                   "tokenizer": tok_hash, "embedded": not cfg.data}
+    if cfg.chat_template_kwargs:  # only when given, so that stores planned before the option still resume
+        fp_options["chat_template_kwargs"] = cfg.chat_template_kwargs
+    for key in unused_template_kwargs(tokenizer, cfg.chat_template_kwargs):
+        line.say(f"warning: --chat-template-kwargs '{key}' is not read by the target's chat template; "
+                 "it has no effect")
     fingerprint = fingerprint_inputs(inputs, fp_options)
     meta = StoreMeta(
         target=TargetInfo(name_or_path=str(cfg.target or "embedded:SmolLM2-135M-Instruct"),
@@ -101,8 +107,9 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     )
     existing = _existing_plan(cfg.out)
     if existing is not None and existing.fingerprint != fingerprint:
-        changed = [f"{k}: store has {existing.options.get(k)!r}, asked for {v!r}"
-                   for k, v in fp_options.items() if existing.options.get(k) != v]
+        changed = [f"{k}: store has {_plan_option(existing.options, k)!r}, asked for {_plan_option(fp_options, k)!r}"
+                   for k in {**fp_options, **existing.options}
+                   if _plan_option(existing.options, k) != _plan_option(fp_options, k)]
         raise ConfigMismatchError(f"{cfg.out}: the store was extracted from other input: "
                                   + ("; ".join(changed) if changed else "the input files' contents differ"))
     writer = StoreWriter(cfg.out, meta, codec=codec)   # creates the store, or refuses a different target/layers/codec
@@ -110,7 +117,8 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
     if plan is None:
         line.say(f"tokenizing {'embedded ShareGPT conversations' if not cfg.data else ', '.join(cfg.data)} ...")
         workers = cfg.tokenize_workers or min(16, os.cpu_count() or 1)
-        samples, report = load_samples(cfg.data or None, tokenizer, cfg.max_length, cfg.limit, workers=workers)
+        samples, report = load_samples(cfg.data or None, tokenizer, cfg.max_length, cfg.limit, workers=workers,
+                                       template_kwargs=cfg.chat_template_kwargs)
         if not samples:
             raise DFlashError("no usable samples in the input (every row was skipped): "
                               + "; ".join(report.summary_lines()[:3]))
@@ -126,6 +134,11 @@ def prepare(cfg: ExtractConfig, line: LiveLine) -> Prepared:
         needs_target=not writer.kv.exists("target/zarr.json"),
         plan_tokens=plan.num_tokens, plan_samples=plan.num_samples, data_report=plan.data_report,
     )
+
+
+def _plan_option(options: dict[str, Any], key: str) -> Any:
+    """One option of a plan's fingerprint; chat_template_kwargs is left out of it when empty."""
+    return options.get(key, {} if key == "chat_template_kwargs" else None)
 
 
 def _existing_plan(url: str):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.method import GAMMA_BY_BLOCK_SIZE, gamma_table_text
+from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
 
 CODEC_NAMES = ("bf16", "fp8")
 
@@ -25,6 +26,8 @@ class ExtractConfig:
     data: list[str] = field(default_factory=list)   # empty: the embedded ShareGPT conversations
     max_length: int = 2048
     limit: int | None = None
+    # Variables of the target's chat template (e.g. {"enable_thinking": false}); a JSON string is parsed.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     layers: list[int] | None = None      # None: the DFlash default for num_features
     num_features: int = 5
     topk: int = 32
@@ -46,6 +49,7 @@ class ExtractConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"--codec must be one of {', '.join(CODEC_NAMES)}, got '{self.codec}'")
         if self.dtype not in ("auto", "bf16", "fp32", "fp16"):
