@@ -40,6 +40,7 @@ from dflash_pipeline.eval.report import PromptResult, add_step_times, prompt_rec
 from dflash_pipeline.eval.speculative import Drafter, TargetLike, speculative_generate, target_generate
 from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.progress import LiveLine
+from dflash_pipeline.schemas.config import check_gpus
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -84,8 +85,7 @@ class EvalConfig:
             raise ValueError(f"eval: block_size must be >= 2 (1 is plain decoding), got {self.block_size}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"eval: dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.gpus != "all" and not (self.gpus.isdigit() and int(self.gpus) >= 1):
-            raise ValueError(f"--gpus must be 'all' or a positive number, got '{self.gpus}'")
+        check_gpus(self.gpus)
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -17,6 +17,12 @@ def _to_dict(obj) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(obj), default=str))
 
 
+def check_gpus(gpus: str) -> None:
+    """--gpus: 'all' or a positive number of GPUs (one process each)."""
+    if gpus != "all" and not (gpus.isdigit() and int(gpus) >= 1):
+        raise ValueError(f"--gpus must be 'all' or a positive number, got '{gpus}'")
+
+
 @dataclass
 class ExtractConfig:
     """`dflash extract`: target + data -> feature store."""
@@ -62,8 +68,7 @@ class ExtractConfig:
             raise ValueError("--topk must be >= 0")
         if self.limit is not None and self.limit < 1:
             raise ValueError("--limit must be >= 1")
-        if self.gpus != "all" and not (self.gpus.isdigit() and int(self.gpus) >= 1):
-            raise ValueError(f"--gpus must be 'all' or a positive number, got '{self.gpus}'")
+        check_gpus(self.gpus)
         if self.layers is not None and (not self.layers or sorted(set(self.layers)) != list(self.layers)):
             raise ValueError(f"--layers must be strictly increasing layer ids, got {self.layers}")
         if self.device not in ("auto", "cuda", "cpu"):
@@ -192,6 +197,7 @@ class RuntimeConfig:
     loss_chunk: int = 4096
 
     def __post_init__(self) -> None:
+        check_gpus(self.gpus)
         if self.loss_chunk < 1:
             raise ValueError("--loss-chunk must be >= 1")
         if self.checkpoint_layers < 0:
