@@ -244,7 +244,7 @@ def bench_e2e(work: str, tokenizer_dir: str, shape: dict, prompts: int, new_toke
     drafter_dir = export_drafter(drafter, dcfg, os.path.join(work, "drafter-random"), dtype=DTYPE)
     del drafter
     cfg = EvalConfig(drafter=str(drafter_dir), target=target, num_prompts=prompts, max_new_tokens=new_tokens,
-                     prompts=[write_prompts(os.path.join(work, "prompts.jsonl"), prompts)])
+                     prompts=[write_prompts(os.path.join(work, "prompts.jsonl"), prompts)], gpus="1")  # one H200
     t = time.perf_counter()
     report = run_eval(cfg, LiveLine(log_every=10.0))
     wall = time.perf_counter() - t

@@ -146,6 +146,9 @@ class Bench:
     def __init__(self, root: str, target: str | None, plan: Plan, smoke: bool, redo: bool = False):
         self.root, self.target, self.plan, self.smoke, self.redo = Path(root).resolve(), target, plan, smoke, redo
         self.best_override: str | None = None  # --best
+        self.recipes: list[str] = list(RECIPES)  # --recipes: the ablation's subset this run trains
+        self.stores: list[str] = list(STORES)  # --stores: the stores this run extracts
+        self.variant_stores: list[str] = ["orig-bf16", "regen-fp8"]  # --variant-stores
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -258,7 +261,7 @@ class Bench:
                     else ["--prompts", str(self.data("prompts-chat.jsonl")), "--num-prompts", str(p.eval_prompts)]
                 cmd = self.dflash("eval", "--drafter", str(self.run_dir(run) / "final"), *self.target_args(),
                                   *prompts, "--max-new-tokens", str(p.eval_new_tokens), "--temperature", str(t),
-                                  "--json", *p.device_args)
+                                  "--gpus", "1", "--json", *p.device_args)
                 tmp = path.with_suffix(".part")
                 if self.redo:
                     path.unlink(missing_ok=True)
@@ -389,6 +392,8 @@ def part_stores(b: Bench, deadline: float | None) -> None:
     p = b.plan
     jobs = []
     for name, (data, codec) in STORES.items():
+        if name not in b.stores:
+            continue
         path, done = b.store(name), b.root / "stores" / f"{name}.json"
         src = b.data("orig.jsonl") if data == "orig" else b.regen_data()
         cmd = b.dflash("extract", "--out", str(path), "--data", str(src), *b.target_args(), "--max-length",
@@ -449,7 +454,7 @@ def disk_free_gb(path: Path) -> float:
 
 def part_recipes(b: Bench, deadline: float | None) -> None:
     b.require_stores("regen-bf16")
-    runs = [Run(name, name, "regen-bf16", b.plan.steps, "recipes") for name in RECIPES]
+    runs = [Run(name, name, "regen-bf16", b.plan.steps, "recipes") for name in b.recipes]
     jobs = [b.train_job(r) for r in runs]
     for r in runs:
         jobs += b.eval_jobs(r.name)
@@ -484,7 +489,7 @@ def best_run(b: Bench, fresh: bool = False) -> str | None:
     if not fresh and b.read("recipes").get("best"):
         return b.read("recipes")["best"]
     scores = {}
-    for name in RECIPES:
+    for name in b.recipes:
         ev = read_eval(b.eval_file(name, "chat", 0.0))
         est = run_summary(b.run_dir(name)).get("eval", {}).get("tau_chain")
         if ev is not None and ev.get("tau") is not None:
@@ -509,10 +514,10 @@ def require_best(b: Bench) -> str:
 
 
 def part_variants(b: Bench, deadline: float | None) -> None:
-    b.require_stores("orig-bf16", "regen-fp8")
+    b.require_stores(*b.variant_stores)
     best = require_best(b)
-    runs = [Run(f"{best}@orig", best, "orig-bf16", b.plan.steps, "variants"),
-            Run(f"{best}@fp8", best, "regen-fp8", b.plan.steps, "variants")]
+    runs = [Run(f"{best}@{'orig' if store == 'orig-bf16' else 'fp8'}", best, store, b.plan.steps, "variants")
+            for store in b.variant_stores]
     jobs = [b.train_job(r) for r in runs] + [j for r in runs for j in b.eval_jobs(r.name)]
     b.run_part("variants", jobs, deadline, {"best": best, "runs": [dataclasses.asdict(r) for r in runs]})
 
@@ -581,6 +586,14 @@ def print_plan() -> None:
     print(src[src.index("REAL = Plan("):src.index("SMOKE = Plan(")])
 
 
+def _names(text: str, known, flag: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -593,6 +606,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redo", action="store_true", help="Start the given parts over instead of continuing them.")
     ap.add_argument("--best", default=None, help="The recipe used by variants, curve and online (default: the "
                     "recipes part's winner).")
+    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma list: the recipes part `recipes` trains")
+    ap.add_argument("--stores", default=",".join(STORES), help="comma list: the stores part `stores` extracts")
+    ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
+                    help="comma list: the stores part `variants` trains the best recipe on")
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
     for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "online_steps",
@@ -606,6 +623,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     b = Bench(a.root, a.target, plan, a.smoke, a.redo)
     b.best_override = a.best
+    b.recipes, b.stores, b.variant_stores = (_names(text, known, flag) for text, known, flag in (
+        (a.recipes, RECIPES, "--recipes"), (a.stores, STORES, "--stores"),
+        (a.variant_stores, ("orig-bf16", "regen-fp8"), "--variant-stores")))
     deadline = time.time() + a.deadline if a.deadline else None
     for part in a.parts:
         print(f"=== part {part} ({time.strftime('%H:%M:%S')})", flush=True)

@@ -131,6 +131,7 @@ def extract(
     data: Optional[list[str]] = typer.Option(None, "--data", help="JSONL/JSON/Parquet conversations (ShareGPT, OpenAI messages or text); repeatable. Default: the embedded ShareGPT conversations."),
     max_length: int = typer.Option(2048, "--max-length", help="Truncate samples to this many tokens."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use at most this many samples."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}' (Qwen3/3.5 thinking off): conversations are rendered and masked as the target is served with them."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layer ids to capture, e.g. 1,9,17,25,33 (0-based outputs, before the final norm)."),
     num_features: int = typer.Option(5, "--num-features", help="Without --layers: capture this many layers, spread as DFlash does."),
     topk: int = typer.Option(32, "--topk", help="Teacher top-k log-probabilities kept per token (0: none)."),
@@ -149,7 +150,7 @@ def extract(
     from dflash_pipeline.schemas.config import ExtractConfig
 
     cfg = _config(ExtractConfig, out=out, target=target, data=list(data or []), max_length=max_length,
-                  limit=limit, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
+                  limit=limit, chat_template_kwargs=chat_template_kwargs, layers=_int_list(layers, "--layers"), num_features=num_features, topk=topk,
                   codec=codec, tokens_per_batch=tokens_per_batch, segment_tokens=segment_tokens, gpus=gpus,
                   gpus_per_replica=gpus_per_replica, dtype=dtype, device=device, quiet=quiet,
                   writer_processes=writer_processes)
@@ -275,33 +276,43 @@ def export(
 @user_errors
 def eval_cmd(
     drafter: str = typer.Option(..., "--drafter", help="Exported drafter folder (RUN_DIR/final)."),
+    more_prompts: Optional[list[str]] = typer.Argument(None, metavar="PROMPT_FILES", show_default=False, help="More prompt files, as in --prompts chat.jsonl code.jsonl math.jsonl."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model, as for extract (default: the embedded SmolLM2-135M-Instruct)."),
-    prompts: Optional[list[str]] = typer.Option(None, "--prompts", help="JSONL prompts (prompt / messages / conversations); default: held-out embedded conversations."),
-    num_prompts: int = typer.Option(32, "--num-prompts"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy, checked token for token against the target; >0: rejection sampling."),
+    prompts: Optional[list[str]] = typer.Option(None, "--prompts", help="Prompt files, JSONL/JSON/Parquet (prompt / messages / conversations); several give tau and speedup per file and pooled. Default: held-out embedded conversations."),
+    num_prompts: int = typer.Option(32, "--num-prompts", help="Prompts per file."),
+    max_new_tokens: int = typer.Option(2048, "--max-new-tokens", help="New tokens per prompt at most (the DFlash authors benchmark with 2048)."),
+    all_turns: bool = typer.Option(False, "--all-turns", help="Every reply of a conversation becomes a prompt, its history before it (default: first turns only)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy, checked against the target's greedy output (exact in fp32; bf16/fp16 ties counted, not failures); >0: rejection sampling."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Verify blocks of this size (default: the drafter's)."),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
-    device: str = typer.Option("auto", "--device"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda (every GPU --gpus allows) or cuda:N (that GPU alone)."),
+    gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs: prompts are divided over one process per GPU."),
+    records: Optional[str] = typer.Option(None, "--records", help="Also write one JSON line per prompt (tokens of both runs, divergences) to this file."),
     compile_steps: bool = typer.Option(False, "--compile", help="torch.compile the graphed decode/verify/drafter steps (fused kernels; compiles for a minute or more first)."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables for the prompts, as given to extract (e.g. '{\"enable_thinking\": false}')."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Real acceptance length: speculative decoding of the drafter against the target (exit 1 if greedy output differs)."""
+    """Real acceptance length: speculative decoding of the drafter against the target (exit 1 if greedy output differs at a clear margin)."""
     from rich.console import Console
 
     from dflash_pipeline.eval.report import render_report
     from dflash_pipeline.eval.run import EvalConfig, run_eval
     from dflash_pipeline.progress import LiveLine
 
-    cfg = _config(EvalConfig, drafter=drafter, target=target, prompts=list(prompts) if prompts else None,
-                  num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                  block_size=block_size, seed=seed, dtype=dtype, device=device, compile=compile_steps, json=json_out)
+    files = [*(prompts or []), *(more_prompts or [])]
+    cfg = _config(EvalConfig, drafter=drafter, target=target, prompts=files or None, num_prompts=num_prompts,
+                  max_new_tokens=max_new_tokens, all_turns=all_turns, temperature=temperature, block_size=block_size,
+                  seed=seed, dtype=dtype, device=device, gpus=gpus, records=records, compile=compile_steps,
+                  chat_template_kwargs=chat_template_kwargs, json=json_out)
     report = run_eval(cfg, LiveLine(enabled=not json_out))
+    if not report:  # a rank other than 0 under a launcher: rank 0 reports
+        return
     if json_out:
         print(json.dumps(report, default=float))
     else:
         render_report(report, Console())
     if report["lossless"] is False:
-        print(f"error: greedy output differs from the target's on {len(report['mismatches'])} prompt(s)", file=sys.stderr)
+        print(f"error: greedy output differs from the target's at a clear margin on {len(report['mismatches'])} "
+              f"prompt(s)", file=sys.stderr)
         raise typer.Exit(1)

@@ -35,6 +35,9 @@ class Family:
     config: Callable[[], object]
     hybrid: bool = False     # has linear-attention layers (rolled back by eval/rollback.py)
     also: str = ""           # what else is tested of it, for the README
+    # The chat templates its checkpoints ship (tests/templates/<name>.jinja; "" is SmolLM2's own ChatML),
+    # whose loss masks tests/test_chat_templates.py checks.
+    chat_templates: tuple[str, ...] = ()
 
     def __str__(self) -> str:  # pytest ids
         return self.model_type
@@ -83,17 +86,23 @@ def _gemma3():
 
 FAMILIES = [
     Family("Llama (SmolLM2 shape)", "llama", "the reference family; tied LM head", _llama,
-           also="; the real SmolLM2-135M-Instruct is the embedded default of every other test"),
-    Family("Qwen3", "qwen3", "q/k RMSNorm; untied LM head", _qwen3),
+           also="; the real SmolLM2-135M-Instruct is the embedded default of every other test", chat_templates=("",)),
+    Family("Qwen3", "qwen3", "q/k RMSNorm; untied LM head", _qwen3, chat_templates=("qwen3",)),
     Family("Qwen3.5", "qwen3_5", "hybrid: 3 Gated DeltaNet (linear attention) layers per full-attention layer; "
-           "vision-language checkpoint, the text model is used", _qwen3_5, hybrid=True),
-    Family("Qwen3.5-MoE", "qwen3_5_moe", "hybrid as Qwen3.5, mixture-of-experts MLPs", _qwen3_5_moe, hybrid=True),
+           "vision-language checkpoint, the text model is used", _qwen3_5, hybrid=True,
+           chat_templates=("qwen3_5", "qwen3_6")),
+    Family("Qwen3.5-MoE", "qwen3_5_moe", "hybrid as Qwen3.5, mixture-of-experts MLPs", _qwen3_5_moe, hybrid=True,
+           chat_templates=("qwen3_5", "qwen3_6")),
     Family("Qwen3-Next", "qwen3_next", "hybrid, its own Gated DeltaNet module (fused projections), "
-           "mixture-of-experts MLPs; plain causal-LM checkpoint", _qwen3_next, hybrid=True),
+           "mixture-of-experts MLPs; plain causal-LM checkpoint", _qwen3_next, hybrid=True,
+           chat_templates=("qwen3_thinking",)),
     Family("Gemma 3 (text: 270M, 1B)", "gemma3_text", "sliding-window layers (5 per full one), embeddings "
            "scaled by sqrt(hidden), final-logit soft-capping", _gemma3,
-           also="; the real Gemma-3-270M (GGUF from PyPI) end to end in a slow test"),
+           also="; the real Gemma-3-270M (GGUF from PyPI) end to end in a slow test", chat_templates=("gemma3",)),
 ]
+# How the README names each chat template.
+TEMPLATE_NAMES = {"": "ChatML (SmolLM2's)", "qwen3": "Qwen3", "qwen3_thinking": "Qwen3 thinking-only (Next-Thinking)",
+                  "qwen3_5": "Qwen3.5", "qwen3_6": "Qwen3.6", "gemma3": "Gemma 3 (its structure)"}
 STATUS = "extract, train, export and eval tested on CPU; eval lossless in fp32"
 GENERATE = {False: "generate equals plain greedy decoding", True: "generate refuses it (no static cache)"}
 
@@ -120,8 +129,10 @@ def build(family: Family, out_dir, tokenizer_dir, seed: int = 0) -> Path:
 
 def readme_table() -> str:
     """The README's "Supported target families" table."""
-    rows = ["| family | model_type | what is special | status |", "|---|---|---|---|"]
-    rows += [f"| {f.name} | `{f.model_type}` | {f.special} | {STATUS}; {GENERATE[f.hybrid]}{f.also} |" for f in FAMILIES]
+    rows = ["| family | model_type | what is special | chat templates (loss mask tested) | status |",
+            "|---|---|---|---|---|"]
+    rows += [f"| {f.name} | `{f.model_type}` | {f.special} | {', '.join(TEMPLATE_NAMES[t] for t in f.chat_templates)} "
+             f"| {STATUS}; {GENERATE[f.hybrid]}{f.also} |" for f in FAMILIES]
     return "\n".join(rows)
 
 

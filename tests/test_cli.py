@@ -46,6 +46,11 @@ def test_dflash_command_in_the_environment_is_ours():
     (["train", "--store", "s", "--out", "o", "--swa-layers", "0,x", "--sliding-window", "4"], "comma-separated integers"),
     (["extract", "--out", "o", "--codec", "zip"], "--codec must be one of bf16, fp8"),
     (["extract", "--out", "o", "--gpus", "two"], "--gpus must be 'all' or a positive number"),
+    (["train", "--store", "s", "--out", "o", "--gpus", "two"], "--gpus must be 'all' or a positive number"),
+    (["eval", "--drafter", "d", "--gpus", "0"], "--gpus must be 'all' or a positive number"),
+    (["extract", "--out", "o", "--chat-template-kwargs", "enable_thinking=false"], "must be a JSON object"),
+    (["extract", "--out", "o", "--chat-template-kwargs", '{"tokenize": true}'], "tokenize cannot be set here"),
+    (["eval", "--drafter", "d", "--chat-template-kwargs", "[false]"], "must be a JSON object, got a JSON list"),
     (["eval", "--drafter", "nowhere", "--temperature", "-1"], "temperature"),
     (["store", "verify", "x", "--drop-corrupt"], "--drop-corrupt only acts together with --repair"),
 ])

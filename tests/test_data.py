@@ -20,98 +20,6 @@ from dflash_pipeline.extract.chat import iter_prompts
 from dflash_pipeline.extract.readers import DataReport, check_inputs, iter_embedded_rows
 from dflash_pipeline.extract.samples import load_samples
 
-# Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), verbatim: earlier assistant turns are
-# rendered bare, turns after the last user query get a `<think>` block, empty when there is no reasoning.
-QWEN3_TEMPLATE = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}"""
-
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Hi there"},
@@ -188,38 +96,6 @@ def test_short_replies_are_found_at_their_own_place(tmp_path, smollm_tokenizer, 
     assert end == len(s.input_ids) - 1  # the last turn; only the final "\n" follows
 
 
-def test_qwen3_template_think_block_is_not_supervised(tmp_path, smollm_tokenizer):
-    tok = copy.deepcopy(smollm_tokenizer)  # has <|im_start|> / <|im_end|> like Qwen3
-    tok.chat_template = QWEN3_TEMPLATE
-    final = {"role": "assistant", "content": "\n\nThe answer is 4."}  # Qwen3 strips the leading newlines
-    messages = MESSAGES[:3] + [{"role": "user", "content": "What is 2+2?"}, final]
-    rendered = tok.apply_chat_template(messages, tokenize=False)
-    assert "<|im_start|>assistant\nHello! How can I help?<|im_end|>" in rendered  # earlier turn: bare
-    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is 4.<|im_end|>" in rendered
-
-    path = write_jsonl(tmp_path / "q.jsonl", [{"messages": messages}])
-    (s,), report = load_samples([path], tok, max_length=1024)
-    assert report.num_samples == 1
-    assert masked_texts(tok, s) == ["Hello! How can I help?<|im_end|>", "The answer is 4.<|im_end|>"]
-    enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    assert s.input_ids.tolist() == enc["input_ids"]
-    think_start = rendered.index("<think>")
-    think_end = rendered.index("The answer is 4.")
-    in_think = [a < think_end and b > think_start for a, b in enc["offset_mapping"]]
-    assert sum(in_think) > 0 and not s.loss_mask[in_think].any()
-
-
-def test_reasoning_in_the_final_reply_is_supervised_as_written(tmp_path, smollm_tokenizer):
-    # Qwen3 renders a reply that holds `</think>` differently from its probe: the search fallback finds
-    # it, and the reasoning, part of the data and generated by the target, stays supervised.
-    tok = copy.deepcopy(smollm_tokenizer)
-    tok.chat_template = QWEN3_TEMPLATE
-    reply = "<think>\nI add.\n</think>\n\n4"
-    path = write_jsonl(tmp_path / "q.jsonl", [chat("What is 2+2?", reply)])
-    (s,), _ = load_samples([path], tok, max_length=1024)
-    assert masked_texts(tok, s) == [reply + "<|im_end|>"]
-
-
 def test_reply_the_template_rewrites_and_template_errors_are_bad_rows(tmp_path, smollm_tokenizer):
     tok = copy.deepcopy(smollm_tokenizer)
     tok.chat_template = (
@@ -287,6 +163,50 @@ def test_record_forms(tmp_path, smollm_tokenizer):
     assert samples[1].loss_mask.all()
     assert masked_texts(tok, samples[2]) == ["b<|im_end|>"]
     assert problems(report) == [("f.jsonl", 4, data.NO_ASSISTANT)]
+
+
+def test_tool_calls_reasoning_and_tools_are_read_into_one_form():
+    record = {"tools": '[{"type": "function", "function": {"name": "f"}}]', "messages": [
+        {"role": "developer", "content": "Be exact."},
+        {"role": "user", "content": "Run f."},
+        {"role": "assistant", "content": None, "reasoning": "I call f.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": ""},  # a tool may return nothing
+        {"role": "assistant", "content": "Done.", "function_call": None},
+    ]}
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}, "id": "c1"}
+    assert data.record_messages(record) == [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "Run f."},
+        {"role": "assistant", "content": "", "reasoning_content": "I call f.", "tool_calls": [call]},
+        {"role": "tool", "content": "", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    assert data.record_tools(record) == [{"type": "function", "function": {"name": "f"}}]
+    assert data.record_tools({"messages": []}) is None
+
+
+def test_bad_tool_calls_are_bad_rows(tmp_path, smollm_tokenizer):
+    def calls(*tool_calls, **extra) -> dict:
+        return {"messages": [{"role": "user", "content": "q"},
+                             {"role": "assistant", "content": "", "tool_calls": list(tool_calls)}], **extra}
+
+    rows = [
+        calls({"function": {"arguments": "{}"}}),  # 1: no name
+        calls({"function": {"name": "f", "arguments": "{x"}}),  # 2: arguments not JSON
+        calls({"function": {"name": "f", "arguments": "[1]"}}),  # 3: arguments not an object
+        calls(),  # 4: an assistant turn with nothing in it
+        chat("q", "a") | {"tools": {"name": "f"}},  # 5: tools not a list
+        chat("q", "a") | {"tools": [{"type": "function", "function": {"name": "f"}}]},  # 6: fine
+    ]
+    samples, report = load_samples([write_jsonl(tmp_path / "t.jsonl", rows)], smollm_tokenizer, max_length=64)
+    assert [s.sample_id for s in samples] == [5]
+    assert problems(report) == [("t.jsonl", 1, data.UNKNOWN_FORM), ("t.jsonl", 2, data.UNKNOWN_FORM),
+                                ("t.jsonl", 3, data.UNKNOWN_FORM), ("t.jsonl", 4, data.EMPTY_CONTENT),
+                                ("t.jsonl", 5, data.UNKNOWN_FORM)]
+    assert [p.detail for p in report.problems][:3] == [
+        "turn 2: tool call 1 has no function name", "turn 2: tool call 1 arguments: not JSON: '{x'",
+        "turn 2: tool call 1 arguments are not a JSON object"]
 
 
 # ---------------------------------------------------------------- bad rows and bad files

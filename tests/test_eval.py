@@ -23,6 +23,8 @@ from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval import speculative
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
+from dflash_pipeline.eval.lossless import check_greedy
+from dflash_pipeline.eval.prompts import Prompt, as_prompt
 from dflash_pipeline.eval.report import PromptResult, render_report, summarize
 from dflash_pipeline.eval.run import EvalConfig, evaluate, make_participants, run_eval
 from dflash_pipeline.progress import LiveLine
@@ -327,13 +329,19 @@ def test_broken_verifier_is_reported(monkeypatch):
     target.close()
 
 
+def _no_path_scores():
+    raise AssertionError("equal outputs need no teacher forcing")
+
+
 def test_summary_counts_slots_and_hist():
     from dflash_pipeline.eval.speculative import Generation, Step
 
     steps = [Step(3, 3, 4), Step(3, 1, 2), Step(3, 0, 1), Step(2, 2, 2)]  # last: truncated by a stop token
     spec = Generation([0] * 10, 1.0, steps)
-    base = Generation([0] * 10, 2.0, margins=[1.0] * 10)
-    rep = summarize([PromptResult(5, spec, base)], block_size=4, temperature=0.0, greedy_checked=True)
+    base = Generation([0] * 10, 2.0, top1=[2.0] * 10, top2=[1.0] * 10)
+    check = check_greedy(5, spec.tokens, base.tokens, base.top1, base.top2, torch.float32, _no_path_scores)
+    rep = summarize([PromptResult(Prompt("p.jsonl", 5, 0, [1]), spec, base, check)], block_size=4, temperature=0.0,
+                    dtype=torch.float32)
     assert rep["tau"] == 9 / 4 and rep["accept_hist"] == [0, 1, 2, 0, 1]
     # slot 1: reached 4, accepted 3; slot 2: reached 3 (n >= 1), accepted 2; slot 3: reached 1 of drafted-3 steps.
     assert rep["accept_rate_per_position"] == [3 / 4, 2 / 3, 1 / 1]
@@ -521,8 +529,10 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
     cfg = EvalConfig(drafter=drafter, target=str(smollm_dir), prompts=[write_prompts(tmp_path / "p.jsonl")],
                      num_prompts=3, max_new_tokens=24)
     report = run_eval(cfg)
-    assert report["lossless"] is True and report["mismatches"] == []
-    assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock"
+    assert report["lossless"] is True and report["mismatches"] == [] and report["tie_divergences"] == []
+    assert report["lossless_rule"].startswith("exact") and report["dtype"] == "float32"
+    assert list(report["per_file"]) == cfg.prompts and report["per_file"][cfg.prompts[0]]["tau"] == report["tau"]
+    assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock" and report["processes"] == 1
     assert all(report["step_ms"][k] > 0 for k in ("target_decode", "target_verify", "drafter"))
     ms = report["step_ms"]
     assert report["speedup_from_step_times"] == pytest.approx(
@@ -559,8 +569,9 @@ def test_oracle_drafter_on_real_target_commits_full_blocks(smollm_model, smollm_
                                     temperature=0.0, stop_ids=stops)
         assert spec.tokens == base.tokens
         assert all(s.committed == 8 for s in spec.steps[:-1]) and spec.steps[-1].committed <= 8
-        results.append(PromptResult(sid, spec, base))
-    report = summarize(results, block_size=8, temperature=0.0, greedy_checked=True)
+        check = check_greedy(sid, spec.tokens, base.tokens, base.top1, base.top2, torch.float32, _no_path_scores)
+        results.append(PromptResult(as_prompt((sid, ids)), spec, base, check))
+    report = summarize(results, block_size=8, temperature=0.0, dtype=torch.float32)
     assert report["lossless"] is True and report["tau"] > 6
     assert report["accept_rate_per_position"] == [1.0] * 7
     target.close()

@@ -179,6 +179,8 @@ def test_rerun_skips_committed_and_refuses_other_settings(extracted, data_file, 
         run_extract(_cfg(Path(cfg.out).parent, data_file, codec="fp8"))
     with pytest.raises(ConfigMismatchError, match="max_length: store has 128, asked for 100"):
         run_extract(_cfg(Path(cfg.out).parent, data_file, max_length=100))
+    with pytest.raises(ConfigMismatchError, match=r"chat_template_kwargs: store has \{\}, asked for \{'x': 1\}"):
+        run_extract(_cfg(Path(cfg.out).parent, data_file, chat_template_kwargs={"x": 1}))
     other = _conversations(tmp_path / "other.jsonl", n=11)
     with pytest.raises(ConfigMismatchError, match="input files' contents differ"):
         run_extract(_cfg(Path(cfg.out).parent, other))

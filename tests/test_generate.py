@@ -325,3 +325,31 @@ def test_rows_are_computed_from_the_shapes_and_free_memory():
         plan_rows(cfg, torch.bfloat16, 4096, 120 * GIB, batch_tokens=4096 * 1000)
     with pytest.raises(DFlashError, match="not even one sequence"):
         plan_rows(cfg, torch.bfloat16, 4096, 2 * GIB)
+
+
+def test_extract_masks_with_the_template_kwargs_the_replies_were_generated_with():
+    """A generate output rendered with thinking off is masked with thinking off unless told otherwise;
+    a different value, or inputs generated under different values, are refused in one line."""
+    from dflash_pipeline.errors import DFlashError
+    from dflash_pipeline.extract.pipeline import _template_kwargs
+
+    class Line:
+        said: list[str] = []
+
+        def say(self, text):
+            self.said.append(text)
+
+    def prov(folder, kwargs):
+        return {"folder": folder, "generation": {"chat_template_kwargs": kwargs}, "generated_by": {}}
+
+    off = {"enable_thinking": False}
+    line = Line()
+    assert _template_kwargs({}, [], line) == {}
+    assert _template_kwargs(off, [], line) == off                    # plain files: the option as given
+    assert _template_kwargs({}, [prov("g", off)], line) == off       # adopted from the generate run
+    assert "as g was generated" in line.said[-1]
+    assert _template_kwargs(off, [prov("g", off)], line) == off
+    with pytest.raises(DFlashError, match="differs from the .* that g was generated with"):
+        _template_kwargs({"enable_thinking": True}, [prov("g", off)], line)
+    with pytest.raises(DFlashError, match="rendered with different --chat-template-kwargs"):
+        _template_kwargs({}, [prov("g", off), prov("h", {})], line)

@@ -1,13 +1,20 @@
 """The lossless rule: exact in fp32; in bf16/fp16 a divergence at a tie (top-2 margin within the dtype's
 rounding at that magnitude) is counted, one at a clear margin fails; after a tie the rest is judged
-along the speculative path. Constructed logits, no model."""
+along the speculative path. Constructed logits, no model: the rule's functions, then the whole of
+`evaluate`, its report and the command's exit code on a target whose verify and decode passes differ at
+one position by a tie or by a clear margin."""
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 import torch
+from rich.console import Console
 
 from dflash_pipeline.eval.lossless import check_greedy, is_tie, logit_ulp, rule_text, top2_logits
+from dflash_pipeline.eval.report import render_report
 
 
 def test_ulp_matches_the_dtypes_spacing():
@@ -79,3 +86,122 @@ def test_bf16_tie_then_the_speculative_path_is_judged_by_teacher_forcing():
 def test_top2_logits_reads_values():
     a, b = top2_logits(torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]]))
     assert a == [3.0, 0.5] and b == [2.0, 0.25]
+
+
+# ---------------------------------------------------------------- end to end, with constructed logits
+
+V = 32
+
+
+def _next(t: int) -> int:
+    return (3 * t + 1) % V
+
+
+def _runner_up(t: int) -> int:
+    return (3 * t + 2) % V
+
+
+class TwoPassTarget:
+    """A test double of the target whose passes disagree at one position, as bf16 kernels may.
+
+    After token t its greedy choice is _next(t) at logit 20 and the runner-up _runner_up(t) at 20 - margin.
+    The one-token decode pass always says so; the passes over several tokens (prefill, verify, teacher
+    forcing) swap the two at absolute position `at`."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, dtype: torch.dtype, margin: float, at: int):
+        self.dtype, self.margin, self.at = dtype, margin, at
+        self.teacher_forced = 0
+
+    def new_cache(self):
+        return []
+
+    def crop(self, cache, length):
+        del cache[length:]
+
+    def forward(self, ids, start, cache, *, features=False, last_only=False):
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        assert len(cache) == start
+        cache += ids
+        self.teacher_forced += start == 0 and not last_only
+        logits = torch.zeros(len(ids), V)
+        for i, t in enumerate(ids):
+            best, second = _next(t), _runner_up(t)
+            if len(ids) > 1 and start + i == self.at:
+                best, second = second, best
+            logits[i, best], logits[i, second] = 20.0, 20.0 - self.margin
+        return (logits[-1:] if last_only else logits), None
+
+
+class ChainDrafter:
+    """Drafts the decode pass's own chain from the anchor: every draft right except where verify swaps."""
+
+    block_size = 4
+
+    def reset(self):
+        pass
+
+    def draft(self, context, anchor, start):
+        logits = torch.full((self.block_size - 1, V), -30.0)
+        t = anchor
+        for k in range(self.block_size - 1):
+            t = _next(t)
+            logits[k, t] = 30.0
+        return logits
+
+
+PROMPT = [1, 2, 3, 4]
+AT = len(PROMPT) + 5  # logits at position 9 predict generated token 6
+
+
+def _report(dtype, margin):
+    from dflash_pipeline.eval.run import evaluate
+
+    target = TwoPassTarget(dtype, margin, AT)
+    report = evaluate(target, ChainDrafter(), [(7, PROMPT)], max_new_tokens=20, temperature=0.0,
+                      stop_ids=frozenset(), warmup=False)
+    return report, target
+
+
+def _cli_exit(monkeypatch, report) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.eval import run
+
+    monkeypatch.setattr(run, "run_eval", lambda cfg, progress=None: report)
+    res = CliRunner().invoke(app, ["eval", "--drafter", "unused", "--json"])
+    return res.exit_code, res.stderr
+
+
+def test_a_bf16_tie_is_counted_and_decoding_goes_on_along_the_speculative_path(monkeypatch):
+    report, target = _report(torch.bfloat16, 0.125)  # one bf16 step at 20: within 2 ulp
+    assert report["lossless"] is True and report["mismatches"] == [] and report["num_tie_divergences"] == 1
+    (tie,) = report["tie_divergences"]
+    assert (tie["prompt"], tie["position"], tie["against"], tie["tie"]) == (7, 6, "plain", True)
+    assert tie["margin"] == pytest.approx(0.125) and (tie["top1"], tie["top2"]) == (20.0, 19.875)
+    assert tie["spec_token"] != tie["target_token"]
+    assert target.teacher_forced == 1  # the rest was judged by one forward along the speculative path
+    assert "bfloat16" in report["lossless_rule"] and "ulp" in report["lossless_rule"]
+    # tau is measured on the speculative path: the rejection at the tie, full blocks elsewhere
+    assert report["generated_tokens"] == 20 and 1 < report["tau"] < 4
+    assert report["per_file"][""]["num_tie_divergences"] == 1
+    json.dumps(report)
+    code, err = _cli_exit(monkeypatch, report)
+    assert code == 0 and "error" not in err
+
+
+@pytest.mark.parametrize("dtype, margin", [(torch.bfloat16, 1.0), (torch.float32, 0.125)])
+def test_a_clear_margin_or_any_fp32_divergence_fails(monkeypatch, dtype, margin):
+    report, target = _report(dtype, margin)
+    assert report["lossless"] is False and report["mismatches"] == [7] and report["tie_divergences"] == []
+    (d,) = report["mismatch_details"]
+    assert (d["position"], d["tie"], d["margin"]) == (6, False, pytest.approx(margin))
+    assert target.teacher_forced == 0
+    assert ("exact" in report["lossless_rule"]) == (dtype == torch.float32)
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=150))
+    assert "NOT LOSSLESS" in out.getvalue() and "prompt 7: generated token 6" in out.getvalue()
+    code, err = _cli_exit(monkeypatch, report)
+    assert code == 1 and "differs from the target's at a clear margin on 1 prompt" in err

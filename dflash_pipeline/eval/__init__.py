@@ -3,8 +3,11 @@
 speculative.py  acceptance rules and the two decoding loops (with and without the drafter)
 models.py       the target (cache, hooks, embedding, LM head) and the DFlash drafter as the loop sees them
 graphed.py      the same two on static caches with graphed steps (the decoding package): the default path
-report.py       the report dict and its tables
-run.py          EvalConfig, pairing checks, run_eval
+lossless.py     the greedy lossless rule per dtype (exact in fp32, counted ties in bf16/fp16) and teacher forcing
+prompts.py      the prompts: several files, first turns or every turn
+report.py       the report dict (pooled and per prompt file) and its tables
+run.py          EvalConfig, pairing checks, one prompt's decoding and check, the processes, run_eval
+rollback.py     rolling back the linear-attention states of hybrid targets after a rejected draft
 
 Nothing is imported here, so that `dflash --help` stays fast.
 """

@@ -141,5 +141,28 @@ def top2_logits(logits_nV: torch.Tensor) -> tuple[list[float], list[float]]:
     return top[:, 0].tolist(), top[:, 1].tolist()
 
 
+@torch.inference_mode()
+def teacher_forcing(target, prompt: Sequence[int], generated: Sequence[int],
+                    chunk: int = 512) -> tuple[list[int], list[float], list[float]]:
+    """The `PathScores` of a generated sequence: the target's argmax, top-1 and top-2 logit at every
+    generated position, given the prompt and the generated tokens before it.
+
+    One forward of the target (eval.speculative.TargetLike: the eager one, or the graphed one's
+    prefill) over prompt + generated[:-1] on a fresh cache, in chunks whose logits are reduced at once,
+    so no [tokens, vocabulary] tensor outlives a chunk. Only called after a tie.
+    """
+    ids = [int(t) for t in prompt] + [int(t) for t in generated[:-1]]
+    first = len(prompt) - 1  # the position whose logits predict generated[0]
+    cache = target.new_cache()
+    argmax_n, top_n2 = [], []
+    for a in range(0, len(ids), chunk):
+        logits_cV, _ = target.forward(ids[a:a + chunk], a, cache)
+        logits_cV = logits_cV[max(first - a, 0):]
+        argmax_n.append(logits_cV.argmax(-1))
+        top_n2.append(logits_cV.float().topk(2, dim=-1).values)
+    top = torch.cat(top_n2).T.tolist()
+    return torch.cat(argmax_n).tolist(), top[0], top[1]
+
+
 __all__ = ["TIE_ULPS", "logit_ulp", "is_tie", "is_exact_dtype", "rule_text", "Divergence", "LosslessCheck",
-           "first_difference", "check_greedy", "top2_logits"]
+           "first_difference", "check_greedy", "top2_logits", "teacher_forcing"]

@@ -58,7 +58,7 @@ class Target:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._can_keep_last = "logits_to_keep" in params
         emb = model.get_input_embeddings()
-        self.device = emb.weight.device
+        self.device, self.dtype = emb.weight.device, emb.weight.dtype
         self.embed_scale = embedding_scale(model)
         cfg = text_config(model.config)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)

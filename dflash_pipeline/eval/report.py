@@ -1,9 +1,17 @@
-"""What `dflash eval` reports: acceptance, losslessness and speed, as one JSON-ready dict and a table.
+"""What `dflash eval` reports: acceptance, losslessness and speed, as one JSON-ready dict and tables.
 
 tau is pooled over every verification step of every prompt (tokens committed per step, bonus
 included), as serving engines and the paper report it; the per-prompt mean is kept beside it because a
 few long easy prompts can dominate the pooled number. Speeds are decoding speeds (the prefill and its
-first token excluded) of the two runs made on the same prompts in the same process.
+first token excluded) of the two runs made on the same prompts in the same process; with several
+processes, tokens and seconds are summed over them, so the speeds are per process (per GPU).
+
+Losslessness at T = 0 follows eval/lossless.py, whose rule the report states (`lossless_rule`):
+`lossless` is False only for a divergence at a clear margin (any divergence in fp32), listed in
+`mismatch_details`; tie divergences of bf16/fp16 are listed in `tie_divergences` and do not fail.
+
+With several prompt files, `per_file` holds the same acceptance and speed numbers for each file's
+prompts; the top level is pooled over all of them.
 
 Step times (median ms of the target's decode step, its verify step and the drafter's step) say where a
 round's time goes; `speedup_from_step_times` = tau * t_decode / (t_verify + t_draft) is the speedup
@@ -16,40 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from dflash_pipeline.eval.lossless import TIE_ULPS, Divergence, LosslessCheck, rule_text
+from dflash_pipeline.eval.prompts import Prompt, file_labels
 from dflash_pipeline.eval.speculative import Generation
 
 
 @dataclass
 class PromptResult:
-    sample_id: int
-    spec: Generation     # speculative decoding
-    target: Generation   # the target alone
+    prompt: Prompt
+    spec: Generation                    # speculative decoding
+    target: Generation                  # the target alone
+    check: LosslessCheck | None = None  # T = 0: where spec left the target's greedy output, if it did
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where a and b differ (a shorter list differs at its end), else None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def mismatch_detail(r: PromptResult) -> dict[str, Any] | None:
-    """Where the speculative output left the target's greedy output, and how close the target's own
-    top-2 logits were there (a margin near 0 points at numerics, a large one at a decoding bug)."""
-    i = first_difference(r.spec.tokens, r.target.tokens)
-    if i is None:
-        return None
-    spec, target = r.spec.tokens, r.target.tokens
-    return {"prompt": r.sample_id, "position": i,
-            "spec_token": spec[i] if i < len(spec) else None,
-            "target_token": target[i] if i < len(target) else None,
-            "target_top2_margin": r.target.margins[i] if i < len(r.target.margins) else None}
-
-
-def summarize(results: list[PromptResult], *, block_size: int, temperature: float,
-              greedy_checked: bool) -> dict[str, Any]:
-    """The report dict. `greedy_checked`: the target's run was greedy, so outputs must match exactly."""
+def acceptance(results: list[PromptResult], block_size: int) -> dict[str, Any]:
+    """tau, acceptance per slot, speeds and counts of `results` (one file's, or all)."""
     B = block_size
     steps = [s for r in results for s in r.spec.steps]
     committed = sum(s.committed for s in steps)
@@ -60,18 +51,13 @@ def summarize(results: list[PromptResult], *, block_size: int, temperature: floa
     reached = [sum(1 for s in steps if s.drafted >= j and s.accepted >= j - 1) for j in range(1, B)]
     accepted = [sum(1 for s in steps if s.drafted >= j and s.accepted >= j) for j in range(1, B)]
     per_prompt = [sum(s.committed for s in r.spec.steps) / len(r.spec.steps) for r in results if r.spec.steps]
-    spec_tokens = sum(r.spec.decoded_tokens for r in results)
-    target_tokens = sum(r.target.decoded_tokens for r in results)
     spec_s = sum(r.spec.seconds for r in results)
     target_s = sum(r.target.seconds for r in results)
-    tok_s_spec = spec_tokens / spec_s if spec_s > 0 else None
-    tok_s_target = target_tokens / target_s if target_s > 0 else None
-
-    details = [d for r in results if (d := mismatch_detail(r))] if greedy_checked else []
+    tok_s_spec = sum(r.spec.decoded_tokens for r in results) / spec_s if spec_s > 0 else None
+    tok_s_target = sum(r.target.decoded_tokens for r in results) / target_s if target_s > 0 else None
     return {
         "tau": committed / len(steps) if steps else None,
         "tau_per_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
-        "lossless": (not details) if greedy_checked else None,
         "prompts": len(results),
         "generated_tokens": sum(len(r.spec.tokens) for r in results),
         "steps": len(steps),
@@ -80,10 +66,57 @@ def summarize(results: list[PromptResult], *, block_size: int, temperature: floa
         "tok_s_target": tok_s_target,
         "accept_hist": hist,
         "accept_rate_per_position": [a / r if r else None for a, r in zip(accepted, reached)],
-        "mismatches": [d["prompt"] for d in details],
-        "mismatch_details": details,
-        "block_size": B,
+    }
+
+
+def divergence_dict(r: PromptResult, d: Divergence) -> dict[str, Any]:
+    """A divergence as the report lists it: which prompt (file, row, turn), where, and the margin."""
+    return {"file": r.prompt.file, "turn": r.prompt.turn, **d.to_dict()}
+
+
+def summarize(results: list[PromptResult], *, block_size: int, temperature: float,
+              dtype: torch.dtype) -> dict[str, Any]:
+    """The report dict. Losslessness is judged when every result carries its check (T = 0)."""
+    checked = temperature == 0 and bool(results) and all(r.check is not None for r in results)
+    failed = [r for r in results if checked and r.check.failure is not None]
+    ties = [divergence_dict(r, d) for r in results if checked for d in r.check.ties]
+    report = {
+        **acceptance(results, block_size),
+        "lossless": (not failed) if checked else None,
+        "lossless_rule": rule_text(dtype) if checked else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "mismatches": [r.prompt.sample_id for r in failed],
+        "mismatch_details": [divergence_dict(r, r.check.failure) for r in failed],
+        "num_tie_divergences": len(ties),
+        "tie_divergences": ties,
+        "block_size": block_size,
         "temperature": temperature,
+    }
+    report["per_file"] = {}
+    for f in file_labels([r.prompt for r in results]):
+        sub = [r for r in results if r.prompt.file == f]
+        bad = sum(r.check.failure is not None for r in sub) if checked else 0
+        report["per_file"][f] = {
+            **acceptance(sub, block_size),
+            "lossless": not bad if checked else None,
+            "num_mismatches": bad,
+            "num_tie_divergences": sum(len(r.check.ties) for r in sub) if checked else 0,
+        }
+    return report
+
+
+def prompt_record(r: PromptResult) -> dict[str, Any]:
+    """One prompt's outcome, tokens included: a line of `--records`."""
+    steps = r.spec.steps
+    return {
+        "file": r.prompt.file, "sample_id": r.prompt.sample_id, "turn": r.prompt.turn,
+        "prompt_tokens": len(r.prompt.ids),
+        "tau": sum(s.committed for s in steps) / len(steps) if steps else None,
+        "committed_per_step": [s.committed for s in steps],
+        "seconds_spec": r.spec.seconds, "seconds_target": r.target.seconds,
+        "tokens": r.spec.tokens, "target_tokens": r.target.tokens,
+        "failure": divergence_dict(r, r.check.failure) if r.check and r.check.failure else None,
+        "tie_divergences": [divergence_dict(r, d) for d in r.check.ties] if r.check else [],
     }
 
 
@@ -101,18 +134,31 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def summary_line(report: dict[str, Any]) -> str:
-    lossless = report["lossless"]
-    check = {True: "lossless (equal to the target's greedy output)",
+    lossless, ties = report["lossless"], report.get("num_tie_divergences", 0)
+    tie_note = (f"; {ties} tie divergence(s) (top-2 margin within {TIE_ULPS} ulp of {report['dtype']}), "
+                f"not failures" if ties else "")
+    check = {True: "lossless (equal to the target's greedy output)" + tie_note,
              False: f"NOT LOSSLESS: {len(report['mismatches'])} of {report['prompts']} prompts differ from the "
-                    f"target's greedy output (prompt ids {report['mismatches'][:10]})",
+                    f"target's greedy output at a clear margin (prompt ids {report['mismatches'][:10]})" + tie_note,
              None: f"losslessness not checked at temperature {report['temperature']}"}[lossless]
     return (f"tau {_fmt(report['tau'])} (block {report['block_size']}), speedup {_fmt(report['speedup'])}x "
             f"({_fmt(report['tok_s_spec'], '.1f')} vs {_fmt(report['tok_s_target'], '.1f')} tok/s) over "
             f"{report['prompts']} prompts, {report['generated_tokens']} tokens; {check}")
 
 
+def _where(d: dict[str, Any]) -> str:
+    """prompt ROW [of FILE] [turn K]: the prompt's row in its file, as `Prompt.sample_id` counts it."""
+    return f"prompt {d['prompt']}" + (f" of {d['file']}" if d["file"] else "") + (f" turn {d['turn']}" if d["turn"] else "")
+
+
+def divergence_line(d: dict[str, Any]) -> str:
+    against = "plain decoding" if d["against"] == "plain" else "the target along the speculative path"
+    return (f"{_where(d)}: generated token {d['position']}: speculative {d['spec_token']}, {against} "
+            f"{d['target_token']} (target top-2 logit margin {_fmt(d['margin'], '.3g')})")
+
+
 def render_report(report: dict[str, Any], console) -> None:
-    """Tables (acceptance per slot, histogram of committed tokens per step, speeds) and the summary line."""
+    """Tables (the run, each prompt file, acceptance per slot), divergences and the summary line."""
     from rich.table import Table
 
     head = Table(title="dflash eval", show_header=False)
@@ -130,8 +176,44 @@ def render_report(report: dict[str, Any], console) -> None:
         head.add_row("step ms: target decode / verify / drafter",
                      " / ".join(_fmt(ms[k], ".3f") for k in ("target_decode", "target_verify", "drafter")))
         head.add_row("speedup from step times", f"{_fmt(report['speedup_from_step_times'])}x")
-    head.add_row("block size / temperature", f"{report['block_size']} / {report['temperature']:g}")
+    head.add_row("block size / temperature / dtype",
+                 f"{report['block_size']} / {report['temperature']:g} / {report['dtype']}")
+    if report.get("processes", 1) > 1:
+        head.add_row("processes (speeds are per process)", str(report["processes"]))
     console.print(head)
+    if len(report.get("per_file", {})) > 1:
+        console.print(_per_file_table(report))
+    console.print(_acceptance_table(report))
+
+    for d in report["mismatch_details"][:10]:
+        console.print(divergence_line(d), style="red", markup=False)
+    for d in report["tie_divergences"][:5]:
+        console.print("tie: " + divergence_line(d), style="yellow", markup=False)
+    if report["lossless_rule"]:
+        console.print(f"lossless rule ({report['dtype']}): {report['lossless_rule']}", markup=False)
+    style = "red bold" if report["lossless"] is False else "bold"
+    console.print(summary_line(report), style=style, markup=False)
+
+
+def _per_file_table(report: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table(title="per prompt file")
+    for name in ("file", "prompts", "tokens", "tau", "tok/s with drafter", "tok/s target", "speedup", "lossless"):
+        t.add_column(name, justify="left" if name == "file" else "right")
+    rows = [*report["per_file"].items(), ("pooled", report)]
+    for name, r in rows:
+        check = {True: "yes", False: f"NO ({r.get('num_mismatches', len(r.get('mismatches', [])))})",
+                 None: "-"}[r["lossless"]]
+        if r["num_tie_divergences"]:
+            check += f", {r['num_tie_divergences']} ties"
+        t.add_row(name, str(r["prompts"]), str(r["generated_tokens"]), _fmt(r["tau"]), _fmt(r["tok_s_spec"], ".1f"),
+                  _fmt(r["tok_s_target"], ".1f"), f"{_fmt(r['speedup'])}x", check)
+    return t
+
+
+def _acceptance_table(report: dict[str, Any]):
+    from rich.table import Table
 
     total = max(sum(report["accept_hist"]), 1)
     peak = max(report["accept_hist"]) or 1
@@ -145,14 +227,8 @@ def render_report(report: dict[str, Any], console) -> None:
         rate = _fmt(rates[k - 1], ".3f") if k - 1 < len(rates) else ""  # slot B does not exist: k = B is all + bonus
         n = report["accept_hist"][k]
         acc.add_row(str(k), rate, f"{n} ({n / total:.1%})", "█" * round(20 * n / peak))
-    console.print(acc)
-
-    for d in report["mismatch_details"][:10]:
-        console.print(f"[red]prompt {d['prompt']}: differs at generated token {d['position']}: "
-                      f"speculative {d['spec_token']}, target {d['target_token']} "
-                      f"(target top-2 logit margin {_fmt(d['target_top2_margin'], '.3g')})[/red]")
-    style = "red bold" if report["lossless"] is False else "bold"
-    console.print(summary_line(report), style=style)
+    return acc
 
 
-__all__ = ["PromptResult", "summarize", "add_step_times", "render_report", "summary_line", "first_difference", "mismatch_detail"]
+__all__ = ["PromptResult", "acceptance", "summarize", "prompt_record", "divergence_dict", "add_step_times",
+           "render_report", "summary_line", "divergence_line"]

@@ -2,8 +2,15 @@
 
 Every prompt is decoded twice in the same process: by the target alone (plain decoding with its KV
 cache, the same stopping rules) and with the drafter. The two runs give the speedup, and at
-temperature 0 the target's greedy output is the exact reference: speculative decoding must reproduce it
-token for token, so any difference is reported as a failure with the prompt and position.
+temperature 0 the target's greedy output is the reference the speculative output is judged against
+by the rule of eval/lossless.py: token for token in fp32; in bf16/fp16 a divergence where the
+target's top two logits are within rounding of each other is a counted tie, one at a clear margin a
+failure. `decode_prompt` is all of that for one prompt (a tree-decoding variant sits beside it).
+
+Prompts come from one or several files (eval/prompts.py) and are divided over one process per
+visible GPU (launch.py, as extract and train do; `gpus`), round robin by their index in the run, so
+any number of processes decodes the same prompts with the same random streams; the processes'
+results are merged into one report, per file and pooled.
 
 Everything a user can get wrong about the pairing (a drafter for another target) is checked from the
 two config files before any weights load, and again against the loaded target's tables.
@@ -26,10 +33,14 @@ import torch
 
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
+from dflash_pipeline.eval.lossless import check_greedy, teacher_forcing
 from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
-from dflash_pipeline.eval.report import PromptResult, add_step_times, summarize
-from dflash_pipeline.eval.speculative import Drafter, speculative_generate, target_generate
+from dflash_pipeline.eval.prompts import Prompt, as_prompt, load_prompts
+from dflash_pipeline.eval.report import PromptResult, add_step_times, prompt_record, summarize
+from dflash_pipeline.eval.speculative import Drafter, TargetLike, speculative_generate, target_generate
+from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.progress import LiveLine
+from dflash_pipeline.schemas.config import check_gpus
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,31 +50,42 @@ class EvalConfig:
     drafter: str                           # exported drafter folder (config.json + model.safetensors)
     target: str | None = None              # HF folder, .gguf, cached hub id; None: the embedded default
     prompts: list[str] | None = None       # JSONL/JSON/Parquet files; None: embedded ShareGPT held-out split
-    num_prompts: int = 32
-    max_new_tokens: int = 256
+    num_prompts: int = 32                  # per prompt file
+    max_new_tokens: int = 2048             # as the DFlash authors benchmark
+    all_turns: bool = False                # every reply of a conversation, its history as the prompt
     temperature: float = 0.0
     block_size: int | None = None          # None: the drafter's
     seed: int = 0
     dtype: str = "auto"                    # auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16
-    device: str = "auto"                   # auto (cuda if available), cpu, cuda, cuda:N
+    device: str = "auto"                   # auto (cuda if available), cpu, cuda, cuda:N (that GPU alone)
+    gpus: str = "all"                      # "all" or how many GPUs (one process each)
+    num_procs: int | None = None           # CPU only: processes (tests of the multi-process path)
+    records: str | None = None             # a JSONL file: one line per prompt, tokens included
     compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
+    chat_template_kwargs: dict[str, Any] | str | None = None  # prompts' chat-template variables, as for extract
     json: bool = False                     # print the report as JSON instead of tables
 
     def __post_init__(self):
+        from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
+
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
         if not self.drafter:
             raise ValueError("eval: a drafter folder is required")
         if isinstance(self.prompts, str):
             self.prompts = [self.prompts]
-        if self.num_prompts < 1:
-            raise ValueError(f"eval: num_prompts must be >= 1, got {self.num_prompts}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"eval: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prompts is not None and len(set(self.prompts)) != len(self.prompts):
+            twice = sorted({p for p in self.prompts if self.prompts.count(p) > 1})
+            raise ValueError(f"eval: prompt file given twice: {', '.join(twice)}")
+        for name in ("num_prompts", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval: {name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature >= 0:
             raise ValueError(f"eval: temperature must be >= 0, got {self.temperature}")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"eval: block_size must be >= 2 (1 is plain decoding), got {self.block_size}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"eval: dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        check_gpus(self.gpus)
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -75,9 +97,9 @@ class EvalConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self, device: torch.device | None = None) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+            return torch.bfloat16 if (device or self.torch_device()).type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,11 +143,13 @@ def read_drafter_config(directory: str):
 
 
 def load_drafter(directory: str, dtype: torch.dtype, device: torch.device):
+    from safetensors import SafetensorError
+
     from dflash_pipeline.train.export import load_exported
 
     try:
         model, _ = load_exported(directory, dtype=dtype, device=device)
-    except (ValueError, RuntimeError, OSError) as e:  # safetensors and state-dict errors included
+    except (ValueError, RuntimeError, OSError, SafetensorError) as e:  # a damaged file, a state-dict mismatch
         raise DFlashError(f"{directory}: cannot load the drafter weights ({str(e).splitlines()[0]})") from None
     return model
 
@@ -137,38 +161,71 @@ def _target_shape(config) -> tuple[int, int, int]:
     return c.hidden_size, c.num_hidden_layers, c.vocab_size
 
 
-# ---------------------------------------------------------------- the run
+# ---------------------------------------------------------------- one prompt, a process's prompts
+
+STEP_KINDS = ("target_decode", "target_verify", "drafter")
 
 
-def evaluate(target: Target, drafter: Drafter, prompts: Sequence[tuple[int, Sequence[int]]], *, max_new_tokens: int,
-             temperature: float, stop_ids: frozenset[int], seed: int = 0, progress: LiveLine | None = None,
-             warmup: bool = True) -> dict[str, Any]:
-    """Decode every prompt with the target alone and with the drafter; the report dict of `summarize`,
-    with the median step times."""
+def decode_prompt(target: TargetLike, drafter: Drafter, prompt: Prompt, index: int, *, max_new_tokens: int,
+                  temperature: float, stop_ids: frozenset[int], seed: int = 0, timer=None) -> PromptResult:
+    """One prompt decoded by the target alone and with the drafter, and at T = 0 the lossless check of
+    the speculative output. `index`, the prompt's place in the run, picks its random streams, so the
+    tokens do not depend on which process decodes it."""
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids, timer=timer)
+    base = target_generate(target, prompt.ids, generator=_generator(seed, 2 * index, target.device), **kw)
+    spec = speculative_generate(target, drafter, prompt.ids, generator=_generator(seed, 2 * index + 1, target.device),
+                                **kw)
+    check = None
+    if temperature == 0:
+        check = check_greedy(prompt.sample_id, spec.tokens, base.tokens, base.top1, base.top2, target.dtype,
+                             lambda: teacher_forcing(target, prompt.ids, spec.tokens))
+    return PromptResult(prompt, spec, base, check)
+
+
+def decode_prompts(target: TargetLike, drafter: Drafter, prompts: Sequence[tuple[int, Prompt]], *, max_new_tokens: int,
+                   temperature: float, stop_ids: frozenset[int], seed: int = 0, progress: LiveLine | None = None,
+                   warmup: bool = True) -> tuple[list[PromptResult], dict[str, list[float]]]:
+    """`decode_prompt` for each (index, prompt); the results and every step time (ms) by step kind."""
     from dflash_pipeline.decoding.graphs import StepTimer
 
-    prompts = [(int(sid), [int(t) for t in ids]) for sid, ids in prompts]
-    if not prompts:
-        raise DFlashError("eval: no prompts to decode")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids)
-    if warmup:  # first calls pay for allocation, kernel selection and graph capture: keep that out of the timings
-        target_generate(target, prompts[0][1], **{**kw, "max_new_tokens": min(4, max_new_tokens)})
-        speculative_generate(target, drafter, prompts[0][1], **{**kw, "max_new_tokens": min(4, max_new_tokens)})
+    if warmup and prompts:  # first calls pay for allocation, kernel selection and graph capture: keep that out
+        few = {**kw, "max_new_tokens": min(4, max_new_tokens)}
+        target_generate(target, prompts[0][1].ids, **few)
+        speculative_generate(target, drafter, prompts[0][1].ids, **few)
     timer = StepTimer(target.device)
     results: list[PromptResult] = []
-    for i, (sid, ids) in enumerate(prompts):
-        base = target_generate(target, ids, generator=_generator(seed, 2 * i, target.device), timer=timer, **kw)
-        spec = speculative_generate(target, drafter, ids, generator=_generator(seed, 2 * i + 1, target.device),
-                                    timer=timer, **kw)
-        results.append(PromptResult(sid, spec, base))
+    for index, prompt in prompts:
+        results.append(decode_prompt(target, drafter, prompt, index, seed=seed, timer=timer, **kw))
         if progress is not None:
-            progress.update(_progress_line(results, len(prompts), greedy=temperature == 0))
-    report = summarize(results, block_size=drafter.block_size, temperature=temperature,
-                       greedy_checked=temperature == 0)
-    add_step_times(report, timer.summary(), "events" if target.device.type == "cuda" else "host clock")
+            progress.update(_progress_line(results, len(prompts)))
     if progress is not None:
         progress.done()
+    return results, {name: timer.times(name) for name in STEP_KINDS}
+
+
+def build_report(results: list[PromptResult], step_times: dict[str, list[float]], *, block_size: int,
+                 temperature: float, dtype: torch.dtype, cuda: bool) -> dict[str, Any]:
+    """The report of `summarize` with the median step times."""
+    report = summarize(results, block_size=block_size, temperature=temperature, dtype=dtype)
+    medians = {k: sorted(v)[len(v) // 2] for k, v in step_times.items() if v}
+    add_step_times(report, medians, "events" if cuda else "host clock")
     return report
+
+
+def evaluate(target: TargetLike, drafter: Drafter, prompts: Sequence, *, max_new_tokens: int, temperature: float,
+             stop_ids: frozenset[int], seed: int = 0, progress: LiveLine | None = None,
+             warmup: bool = True) -> dict[str, Any]:
+    """Decode every prompt (a `Prompt` or a (sample_id, ids) pair) here, with the target alone and with the
+    drafter; the report dict."""
+    prompts = [as_prompt(p) for p in prompts]
+    if not prompts:
+        raise DFlashError("eval: no prompts to decode")
+    results, times = decode_prompts(target, drafter, list(enumerate(prompts)), max_new_tokens=max_new_tokens,
+                                    temperature=temperature, stop_ids=stop_ids, seed=seed, progress=progress,
+                                    warmup=warmup)
+    return build_report(results, times, block_size=drafter.block_size, temperature=temperature, dtype=target.dtype,
+                        cuda=target.device.type == "cuda")
 
 
 def _generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
@@ -177,29 +234,20 @@ def _generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
     return g
 
 
-def _progress_line(results: list[PromptResult], total: int, greedy: bool) -> str:
+def _progress_line(results: list[PromptResult], total: int) -> str:
     steps = sum(len(r.spec.steps) for r in results)
     committed = sum(s.committed for r in results for s in r.spec.steps)
     spec_s = sum(r.spec.seconds for r in results) or float("nan")
     base_s = sum(r.target.seconds for r in results) or float("nan")
-    differ = sum(r.spec.tokens != r.target.tokens for r in results) if greedy else 0
+    failed = sum(r.check is not None and r.check.failure is not None for r in results)
+    ties = sum(len(r.check.ties) for r in results if r.check is not None)
     line = (f"eval prompt {len(results)}/{total}: tau {committed / max(steps, 1):.2f}, "
             f"{sum(r.spec.decoded_tokens for r in results) / spec_s:.1f} tok/s with drafter, "
             f"{sum(r.target.decoded_tokens for r in results) / base_s:.1f} tok/s target alone")
-    return line + (f", {differ} differ from greedy" if differ else "")
+    return line + (f", {failed} NOT lossless" if failed else "") + (f", {ties} tie divergences" if ties else "")
 
 
-def load_prompts(paths: list[str] | None, tokenizer, limit: int) -> list[tuple[int, list[int]]]:
-    from dflash_pipeline.extract.chat import iter_prompts
-
-    prompts = [(sid, ids.tolist()) for sid, ids in iter_prompts(paths, tokenizer, limit, split="eval")]
-    if not prompts:
-        where = ", ".join(paths) if paths else "the embedded held-out split"
-        raise DFlashError(f"{where}: no usable prompts (each record needs a user turn before its first reply)")
-    return prompts
-
-
-def make_participants(model, drafter_model, prompts, cfg: EvalConfig, progress: LiveLine):
+def make_participants(model, drafter_model, prompts: Sequence, cfg: EvalConfig, progress: LiveLine):
     """The graphed target and drafter (static caches sized for the longest prompt), or the eager ones for
     targets the static-cache runner does not support."""
     from dflash_pipeline.decoding.runner import unsupported_reason
@@ -212,7 +260,7 @@ def make_participants(model, drafter_model, prompts, cfg: EvalConfig, progress: 
         progress.say(f"eager decoding (no static cache, no CUDA graphs): {reason}{ignored}")
         target = Target(model, layer_ids)
         return target, DFlashDraft(drafter_model, target, cfg.block_size)
-    max_len = max(len(ids) for _, ids in prompts) + cfg.max_new_tokens + block
+    max_len = max(len(as_prompt(p).ids) for p in prompts) + cfg.max_new_tokens + block
     if cfg.compile:
         progress.say("compiling the decode, verify and drafter steps at their first calls (a minute or more)")
     target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block, compile=cfg.compile)
@@ -222,42 +270,127 @@ def make_participants(model, drafter_model, prompts, cfg: EvalConfig, progress: 
     return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=cfg.compile)
 
 
-def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any]:
-    """Load drafter and target, check they belong together, decode the prompts; the report dict."""
-    from transformers import AutoConfig, AutoTokenizer
+# ---------------------------------------------------------------- processes
+
+
+def eval_rank(proc: Proc, cfg: EvalConfig, prompts: list[Prompt], progress: LiveLine) -> dict[str, Any]:
+    """One process: the prompts whose index % world == rank, on its own device. A user's error comes
+    back as {"error": line}: a spawned process cannot print it as one line for the user."""
+    try:
+        return _decode_share(proc, cfg, prompts, progress if proc.is_main else LiveLine(enabled=False))
+    except DFlashError as e:
+        return {"error": str(e)}
+
+
+def _decode_share(proc: Proc, cfg: EvalConfig, prompts: list[Prompt], progress: LiveLine) -> dict[str, Any]:
+    from transformers import AutoTokenizer
 
     from dflash_pipeline.extract.target import load_target, resolve_target
 
-    progress = progress or LiveLine(enabled=False)
-    device, dtype = cfg.torch_device(), cfg.torch_dtype()
-    dcfg = read_drafter_config(cfg.drafter)
+    device = cfg.torch_device() if proc.world == 1 else bind_device(proc)
+    dtype = cfg.torch_dtype(device)
+    mine = [(i, p) for i, p in enumerate(prompts) if i % proc.world == proc.rank]
+    share = {"indices": [i for i, _ in mine], "results": [], "step_times": {}, "device": str(device), "dtype": dtype}
+    if not mine:
+        return share
     target_path = resolve_target(cfg.target)
     where = f"{cfg.drafter} vs target {cfg.target or 'embedded default'}"
-    hidden, layers, vocab = _target_shape(AutoConfig.from_pretrained(target_path))
-    check_pairing(dcfg, hidden_size=hidden, num_layers=layers, vocab_rows=vocab, where=where)
-
-    progress.say(f"loading target {target_path} ({str(dtype).removeprefix('torch.')}, {device})")
+    of = f", process {proc.rank + 1} of {proc.world}" if proc.world > 1 else ""
+    progress.say(f"loading target {target_path} ({str(dtype).removeprefix('torch.')}, {device}{of})")
     model = load_target(target_path, dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    check_pairing(dcfg, hidden_size=hidden, num_layers=layers,
+    hidden, layers, _ = _target_shape(model.config)
+    check_pairing(read_drafter_config(cfg.drafter), hidden_size=hidden, num_layers=layers,
                   vocab_rows=model.get_input_embeddings().weight.shape[0], where=where)
     drafter_model = load_drafter(cfg.drafter, dtype, device)
-    prompts = load_prompts(cfg.prompts, tokenizer, cfg.num_prompts)
-
+    stop_ids = stop_token_ids(AutoTokenizer.from_pretrained(target_path), model)
+    # Caches sized for the run's longest prompt, not this share's: every process then runs the same step
+    # shapes, so a prompt's tokens do not depend on which process decodes it.
     target, drafter = make_participants(model, drafter_model, prompts, cfg, progress)
     try:
-        progress.say(f"decoding {len(prompts)} prompts, up to {cfg.max_new_tokens} new tokens each, "
+        progress.say(f"decoding {len(mine)} prompts{of}, up to {cfg.max_new_tokens} new tokens each, "
                      f"block {drafter.block_size}, temperature {cfg.temperature:g}")
-        report = evaluate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          stop_ids=stop_token_ids(tokenizer, model), seed=cfg.seed, progress=progress)
+        share["results"], share["step_times"] = decode_prompts(
+            target, drafter, mine, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            stop_ids=stop_ids, seed=cfg.seed, progress=progress)
     finally:
         target.close()
-    report["decoding"] = "graphed" if isinstance(target, GraphedTarget) else "eager"
-    report["drafter"] = str(cfg.drafter)
-    report["target"] = str(target_path)
-    report["max_new_tokens"] = cfg.max_new_tokens
-    report["config"] = cfg.to_dict()
+    share.update(decoding="graphed" if isinstance(target, GraphedTarget) else "eager", block_size=drafter.block_size)
+    return share
+
+
+def merge_shares(cfg: EvalConfig, shares: list[dict[str, Any]], target_path: str) -> dict[str, Any]:
+    """One report from every process's share: results in prompt order, step times pooled."""
+    errors = [s["error"] for s in shares if "error" in s]
+    if errors:
+        raise DFlashError(errors[0])
+    done = [s for s in shares if s["results"]]
+    ordered = sorted(((i, r) for s in done for i, r in zip(s["indices"], s["results"])), key=lambda x: x[0])
+    results = [r for _, r in ordered]
+    times = {k: [t for s in done for t in s["step_times"].get(k, [])] for k in STEP_KINDS}
+    first = done[0]
+    report = build_report(results, times, block_size=first["block_size"], temperature=cfg.temperature,
+                          dtype=first["dtype"], cuda=first["device"].startswith("cuda"))
+    report.update(decoding=first["decoding"], processes=len(shares), devices=[s["device"] for s in shares],
+                  drafter=str(cfg.drafter), target=str(target_path), max_new_tokens=cfg.max_new_tokens,
+                  all_turns=cfg.all_turns, config=cfg.to_dict())
+    if cfg.records:
+        write_records(cfg.records, results)
     return report
 
 
-__all__ = ["EvalConfig", "run_eval", "evaluate", "check_pairing", "load_prompts", "read_drafter_config"]
+def write_records(path: str, results: list[PromptResult]) -> None:
+    """One JSON line per prompt (eval.report.prompt_record), written whole under a temporary name first."""
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        for r in results:
+            f.write(json.dumps(prompt_record(r)) + "\n")
+    os.replace(tmp, path)
+
+
+def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any]:
+    """Check that drafter and target belong together, load the prompts, decode them on every process;
+    the report dict (under a launcher: on rank 0; the other ranks return {})."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_pipeline.extract.target import resolve_target
+
+    progress = progress or LiveLine(enabled=False)
+    proc = launched(cfg.device)
+    if proc is None:  # user errors before any process starts
+        one_gpu = cfg.device.startswith("cuda:")
+        kind, nprocs = ("cuda", 1) if one_gpu else plan_processes(cfg.device, cfg.gpus, cfg.num_procs)
+    if cfg.records and not Path(cfg.records).resolve().parent.is_dir():
+        raise DFlashError(f"--records {cfg.records}: its folder does not exist")
+    dcfg = read_drafter_config(cfg.drafter)
+    target_path = resolve_target(cfg.target)
+    hidden, layers, vocab = _target_shape(AutoConfig.from_pretrained(target_path))
+    check_pairing(dcfg, hidden_size=hidden, num_layers=layers, vocab_rows=vocab,
+                  where=f"{cfg.drafter} vs target {cfg.target or 'embedded default'}")
+    prompts = load_prompts(cfg.prompts, AutoTokenizer.from_pretrained(target_path), cfg.num_prompts, cfg.all_turns,
+                           cfg.chat_template_kwargs)
+    if proc is not None:
+        shares = _gather(proc, eval_rank(proc, cfg, prompts, progress))
+        if not proc.is_main:
+            return {}
+    else:
+        nprocs = min(nprocs, len(prompts))
+        if nprocs > 1:
+            progress.say(f"{len(prompts)} prompts over {nprocs} processes ({kind}), divided round robin")
+        shares = launch(eval_rank, (cfg, prompts, progress), nprocs=nprocs, kind=kind)
+    return merge_shares(cfg, shares, target_path)
+
+
+def _gather(proc: Proc, share: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's share, on every rank (under a launcher)."""
+    import torch.distributed as dist
+
+    with process_group("gloo"):  # objects only: the processes decode independently
+        shares: list[Any] = [None] * proc.world
+        dist.all_gather_object(shares, share)
+    return shares
+
+
+__all__ = ["EvalConfig", "run_eval", "evaluate", "decode_prompt", "decode_prompts", "eval_rank", "merge_shares",
+           "check_pairing", "load_prompts", "read_drafter_config", "make_participants"]

@@ -21,7 +21,8 @@ whose target state is not known yet):
 
 Tokens stay on the device inside a round: the draft's tokens feed the verify block, the acceptance
 rule runs on the device, and ONE transfer per round brings the accepted count, the token after them
-and the drafts to the host (plain decoding: one per token, the token and its margin). With the graphed
+and the drafts to the host (plain decoding: one per token, the token; at T = 0 the target's two largest
+logits of every position stay in a device buffer, read once at the end, for the lossless check). With the graphed
 target and drafter (eval/graphed.py) a round is then two graph launches, a few small copies and that
 transfer. `timer` (decoding.graphs.StepTimer) times the drafter step, the verify step and the plain
 decode step without synchronising.
@@ -140,6 +141,7 @@ class TargetLike(Protocol):
     """What the decoding loop needs of the target (see `eval.models.Target`)."""
 
     device: torch.device
+    dtype: torch.dtype  # the target's compute dtype (the lossless rule depends on it)
 
     def new_cache(self): ...
 
@@ -166,7 +168,8 @@ class Generation:
     tokens: list[int]                  # generated ids, the stop token included when one ended it
     seconds: float                     # decoding time after the first token (prefill excluded)
     steps: list[Step] = field(default_factory=list)       # speculative rounds (empty for plain decoding)
-    margins: list[float] = field(default_factory=list)    # plain greedy: top-1 minus top-2 logit per token
+    top1: list[float] = field(default_factory=list)       # plain greedy: the target's largest logit per token
+    top2: list[float] = field(default_factory=list)       # and its second largest (the lossless rule reads both)
 
     @property
     def decoded_tokens(self) -> int:
@@ -253,33 +256,27 @@ def speculative_generate(target: TargetLike, drafter: Drafter, prompt: Sequence[
     return Generation(tokens, seconds, steps)
 
 
-def _choose_on_host(logits_V: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, int, float | None]:
-    """(the next token on the device, the same on the host, at T = 0 its top-1 minus top-2 logit): one
-    synchronisation."""
-    token = choose(logits_V, temperature, generator)
-    if temperature != 0:
-        return token, int(token), None
-    top = logits_V.topk(2).values
-    tok, margin = torch.stack([token.double(), (top[0] - top[1]).double()]).tolist()
-    return token, int(tok), margin
-
-
 @torch.inference_mode()
 def target_generate(target: TargetLike, prompt: Sequence[int], *, max_new_tokens: int, temperature: float,
                     stop_ids: frozenset[int], generator: torch.Generator | None = None, timer=None) -> Generation:
-    """Plain decoding with the target's KV cache, one token per forward: the reference output and speed."""
+    """Plain decoding with the target's KV cache, one token per forward: the reference output and speed.
+
+    At T = 0 it also keeps the target's two largest logits at every position (the lossless rule's
+    margin): written into a device buffer as they come, read once after the timed loop, so the loop's
+    one transfer per token stays the token itself.
+    """
     timer = timer or _untimed
     prompt = list(prompt)
     cache = target.new_cache()
     logits, _ = target.forward(prompt, 0, cache, last_only=True)
+    top_N2 = torch.empty(max_new_tokens, 2, device=target.device) if temperature == 0 else None
     tokens: list[int] = []
-    margins: list[float] = []
 
     def take(logits_V: torch.Tensor) -> torch.Tensor:
-        token, tok, margin = _choose_on_host(logits_V, temperature, generator)
-        tokens.append(tok)
-        if margin is not None:
-            margins.append(margin)
+        token = choose(logits_V, temperature, generator)
+        if top_N2 is not None:
+            top_N2[len(tokens)] = logits_V.topk(2).values
+        tokens.append(int(token))  # the one synchronisation per token: the stop test needs it
         return token
 
     token = take(logits[-1])
@@ -289,7 +286,8 @@ def target_generate(target: TargetLike, prompt: Sequence[int], *, max_new_tokens
             logits, _ = target.forward(token.view(1), len(prompt) + len(tokens) - 1, cache)
         token = take(logits[-1])
     seconds = _clock(target.device) - t0
-    return Generation(tokens, seconds, margins=margins)
+    top = top_N2[: len(tokens)].T.tolist() if top_N2 is not None else [[], []]
+    return Generation(tokens, seconds, top1=top[0], top2=top[1])
 
 
 __all__ = [

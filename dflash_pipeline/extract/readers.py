@@ -10,7 +10,10 @@ Why it is built this way:
 - Readers stream (JSON lines, Parquet batches, a `raw_decode` loop for JSON arrays), so no input is
   loaded whole; the embedded ShareGPT dump is a JSON array cut off mid-record, read by the same loop.
 - Records come as ShareGPT `conversations`, OpenAI `messages`, plain `text` or a `prompt`; they are
-  turned into one form, chat messages ({role, content}) or plain text, here, without a tokenizer.
+  turned into one form, chat messages or plain text, here, without a tokenizer. Messages keep what a
+  chat template renders beyond the text: an assistant's reasoning (`reasoning_content`) and tool calls
+  (arguments parsed to a JSON object, which every template can render), tool results as `tool` turns,
+  and the record's tool definitions (`record_tools`).
 
 The reasons a row is skipped (the keys of `DataReport.skipped_by_reason`) are all defined here,
 including those found later by tokenization: they are one vocabulary, the report's.
@@ -39,9 +42,16 @@ ROLES = {
     "bard": "assistant",
     "assistant": "assistant",
     "model": "assistant",
+    "function_call": "assistant",  # ShareGPT tool calls (LLaMA-Factory's convention)
     "system": "system",
+    "developer": "system",
     "tool": "tool",
+    "function": "tool",
+    "observation": "tool",  # ShareGPT tool results
 }
+# Where records put an assistant turn's reasoning (as OpenAI-compatible servers return it).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+TOOLS_KEY = "tools"  # a conversation record's tool definitions (JSON schemas)
 HELDOUT_EVERY = 64  # embedded record i belongs to the eval split iff i % 64 == 63
 MAX_PROBLEMS_KEPT = 1000  # counts stay exact; only the examples are capped
 
@@ -61,8 +71,8 @@ NO_PROMPT = "no prompt"
 _JSON_READ_CHARS = 1 << 20
 _SEPARATORS = re.compile(r"[\s,]*")  # between elements of a JSON array
 
-# A record as chat messages ({role, content}), or its plain text.
-Messages = list[dict[str, str]]
+# A record as chat messages ({role, content, ...}: see record_messages), or its plain text.
+Messages = list[dict[str, Any]]
 
 
 @dataclass
@@ -240,7 +250,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
-    columns = [k for k in RECORD_KEYS if k in pf.schema_arrow.names]
+    columns = [k for k in (*RECORD_KEYS, TOOLS_KEY) if k in pf.schema_arrow.names]
     row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=columns):
         for record in batch.to_pylist():
@@ -312,7 +322,12 @@ def _content_text(content: Any, where: str) -> str:
 
 
 def record_messages(record: Any) -> Messages | str:
-    """The record as chat messages ({role, content}), or its plain text. Raises BadRowError."""
+    """The record as chat messages, or its plain text. Raises BadRowError.
+
+    A message is {role, content} (role: system, user, assistant or tool), and, where the record has
+    them, `reasoning_content` (assistant), `tool_calls` (assistant: [{type, function: {name,
+    arguments}}], arguments a JSON object) and `tool_call_id` / `name` (tool).
+    """
     if not isinstance(record, dict):
         raise BadRowError(NOT_OBJECT, f"a JSON {type(record).__name__}")
     # Parquet rows carry every known column, None where unused: None counts as absent.
@@ -332,31 +347,101 @@ def record_messages(record: Any) -> Messages | str:
         raise BadRowError(UNKNOWN_FORM, f"'{key}' is a {type(turns).__name__}, not a list")
     if not turns:
         raise BadRowError(EMPTY_CONVERSATION, f"'{key}' is empty")
-    messages = []
-    for i, turn in enumerate(turns, 1):
-        if not isinstance(turn, dict):
-            raise BadRowError(UNKNOWN_FORM, f"turn {i} is a {type(turn).__name__}, not an object")
-        raw_role = turn.get(role_key)
-        role = ROLES.get(raw_role) if isinstance(raw_role, str) else None
-        if role is None:
-            raise BadRowError(UNKNOWN_ROLE, f"turn {i}: '{role_key}' is {raw_role!r}")
-        content = _content_text(turn.get(content_key), f"turn {i}")
-        if not content.strip():
-            raise BadRowError(EMPTY_CONTENT, f"turn {i} ({role})")
-        messages.append({"role": role, "content": content})
-    return messages
+    return [_message(turn, i, role_key, content_key) for i, turn in enumerate(turns, 1)]
+
+
+def _message(turn: Any, i: int, role_key: str, content_key: str) -> dict[str, Any]:
+    """Turn i (1-based) of a record as a chat message. Raises BadRowError."""
+    if not isinstance(turn, dict):
+        raise BadRowError(UNKNOWN_FORM, f"turn {i} is a {type(turn).__name__}, not an object")
+    raw_role = turn.get(role_key)
+    role = ROLES.get(raw_role) if isinstance(raw_role, str) else None
+    if role is None:
+        raise BadRowError(UNKNOWN_ROLE, f"turn {i}: '{role_key}' is {raw_role!r}")
+    where = f"turn {i}"
+    if raw_role == "function_call":  # ShareGPT (LLaMA-Factory): the turn's value is the call, as JSON
+        calls, content = _json_value(turn.get(content_key), where), ""
+    else:
+        calls = turn.get("tool_calls") if turn.get("tool_calls") is not None else turn.get("function_call")
+        content = _content_text(turn.get(content_key), where)
+    message: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant":
+        reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+        if reasoning is not None:
+            message["reasoning_content"] = _content_text(reasoning, f"{where} reasoning")
+        if calls:
+            message["tool_calls"] = _tool_calls(calls, where)
+            if not content.strip():
+                message["content"] = ""  # a call alone: templates test the content for emptiness
+    elif role == "tool":
+        message.update({k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)})
+    supervised = message.get("reasoning_content", "").strip() or message.get("tool_calls")
+    if not message["content"].strip() and not supervised and role != "tool":  # a tool may return nothing
+        raise BadRowError(EMPTY_CONTENT, f"{where} ({role})")
+    return message
+
+
+def _json_value(value: Any, where: str) -> Any:
+    """`value`, or the JSON it holds when it is a string. Raises BadRowError."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise BadRowError(UNKNOWN_FORM, f"{where}: not JSON: {value[:60]!r}") from None
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI tool calls (or a bare {name, arguments}, or a list of them) as [{type, function: {name,
+    arguments}}] with the arguments as a JSON object: templates iterate over them (Qwen3.5) or dump them.
+    Raises BadRowError."""
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for j, call in enumerate(calls, 1):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadRowError(UNKNOWN_FORM, f"{where}: tool call {j} has no function name")
+        arguments = _json_value(fn.get("arguments", {}), f"{where}: tool call {j} arguments")
+        if not isinstance(arguments, dict):
+            raise BadRowError(UNKNOWN_FORM, f"{where}: tool call {j} arguments are not a JSON object")
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+        if isinstance(call.get("id"), str):
+            out[-1]["id"] = call["id"]
+    return out
+
+
+def record_tools(record: Any) -> list[dict[str, Any]] | None:
+    """The tool definitions a conversation record offers (`tools`: a list of JSON schemas, or that list
+    as a JSON string), for the chat template's system prompt; None when it has none. Raises BadRowError."""
+    tools = record.get(TOOLS_KEY) if isinstance(record, dict) else None
+    if tools is None:
+        return None
+    tools = _json_value(tools, "'tools'")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRowError(UNKNOWN_FORM, "'tools' is not a list of JSON objects")
+    return tools or None
 
 
 def prompt_messages(record: Any) -> Messages:
     """The conversation before its first reply (what a model is asked to continue). Raises BadRowError,
     also for a `BadRow` in place of the record."""
+    return turn_prompts(record)[0]
+
+
+def turn_prompts(record: Any) -> list[Messages]:
+    """Every point of the conversation where the assistant is asked to reply: the messages before its
+    first reply, then the history before each later reply that follows a user turn, and the whole
+    conversation when it ends with a user turn after a reply. Raises BadRowError as `prompt_messages`."""
     if isinstance(record, BadRow):
         raise BadRowError(record.reason, record.detail)
     messages = record_messages(record)
     if isinstance(messages, str):
         raise BadRowError(NO_PROMPT, "a plain 'text' record has no prompt")
-    first_reply = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    head = messages[:first_reply]
-    if not any(m["role"] == "user" for m in head):
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    first_reply = replies[0] if replies else len(messages)
+    if not any(m["role"] == "user" for m in messages[:first_reply]):
         raise BadRowError(NO_PROMPT, "no user turn before the first assistant turn")
-    return head
+    ends = [first_reply] + [i for i in [*replies[1:], len(messages)] if i > first_reply
+                            and messages[i - 1]["role"] == "user"]
+    return [messages[:i] for i in ends]

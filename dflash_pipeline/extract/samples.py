@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash_pipeline.extract.chat import ChatTokenizer
 from dflash_pipeline.extract.readers import (
-    NO_SUPERVISED, BadRow, BadRowError, DataReport, SourceRow, iter_rows, record_messages,
+    NO_SUPERVISED, BadRow, BadRowError, DataReport, SourceRow, iter_rows, record_messages, record_tools,
 )
 
 _CHUNK_ROWS = 64  # rows per task sent to a worker: large enough to amortise pickling, small for limit
@@ -53,7 +53,7 @@ def _sample(chat: ChatTokenizer, max_length: int, sample_id: int, record: Any) -
     if isinstance(record, BadRow):
         return _Outcome(bad=record)
     try:
-        ids, mask = chat.tokens(record_messages(record))
+        ids, mask = chat.tokens(record_messages(record), record_tools(record))
     except BadRowError as e:
         return _Outcome(bad=e.bad)
     truncated = len(ids) > max_length
@@ -72,12 +72,12 @@ def _sample(chat: ChatTokenizer, max_length: int, sample_id: int, record: Any) -
 _WORKER: tuple[ChatTokenizer, int] | None = None
 
 
-def _init_worker(pickled_tokenizer: bytes, max_length: int) -> None:
+def _init_worker(pickled_tokenizer: bytes, max_length: int, template_kwargs: dict[str, Any]) -> None:
     global _WORKER
     # The Rust tokenizer's own threads make a single encode slower (measured 3.4 s vs 1.9 s for 512
     # ShareGPT rows) and would oversubscribe the cores the other workers use.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = (ChatTokenizer(pickle.loads(pickled_tokenizer)), max_length)
+    _WORKER = (ChatTokenizer(pickle.loads(pickled_tokenizer), template_kwargs), max_length)
 
 
 def _sample_chunk(chunk: list[tuple[int, Any]]) -> list[_Outcome]:
@@ -102,7 +102,7 @@ def _sample_rows(
         workers,
         mp_context=get_context("spawn"),
         initializer=_init_worker,
-        initargs=(pickle.dumps(chat.tokenizer), max_length),
+        initargs=(pickle.dumps(chat.tokenizer), max_length, chat.template_kwargs),
     )
     try:
         pending: deque[tuple[list[SourceRow], Future]] = deque()
@@ -129,12 +129,14 @@ def load_samples(
     limit: int | None = None,
     workers: int = 1,
     split: str = "train",
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[TokenizedSample], DataReport]:
     """Tokenize every usable row of `paths`, stopping after `limit` kept samples.
 
     With no paths, the embedded ShareGPT `split` is read (`split` applies to nothing else).
-    `tokenizer` is the target's fast HF tokenizer, chat template included; `workers` processes
-    tokenize in parallel, with the same result as one.
+    `tokenizer` is the target's fast HF tokenizer, chat template included, rendered with the variables
+    `template_kwargs` (--chat-template-kwargs); `workers` processes tokenize in parallel, with the same
+    result as one.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (an anchor needs two supervised tokens), got {max_length}")
@@ -143,7 +145,7 @@ def load_samples(
     samples: list[TokenizedSample] = []
     if limit is not None and limit <= 0:
         return samples, report
-    with closing(_sample_rows(ChatTokenizer(tokenizer), max_length, rows, workers)) as outcomes:
+    with closing(_sample_rows(ChatTokenizer(tokenizer, template_kwargs), max_length, rows, workers)) as outcomes:
         for where, outcome in outcomes:
             report.num_rows_read += 1
             if outcome.bad is not None:

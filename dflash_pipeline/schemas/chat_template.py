@@ -20,11 +20,11 @@ from typing import Any
 OPTION = "--chat-template-kwargs"
 
 # apply_chat_template's own parameters that the pipeline sets: a user value would change what the
-# call returns, not what the template renders.
+# call returns, not what the template renders. `tools` (and `documents`) come with each record.
 RESERVED_KEYS = frozenset({
     "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
     "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
-    "chat_template",
+    "chat_template", "tools", "documents",
 })
 
 
@@ -55,7 +55,8 @@ def template_variables(template: str) -> set[str]:
     import jinja2
     from jinja2 import meta
 
-    return set(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # {% break %}, as transformers allows
+    return set(meta.find_undeclared_variables(env.parse(template)))
 
 
 def unused_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> list[str]:
@@ -66,5 +67,8 @@ def unused_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> list[str]:
     sources = list(template.values()) if isinstance(template, dict) else [template]
     read: set[str] = set()
     for source in sources:
-        read |= template_variables(source)
+        try:
+            read |= template_variables(source)
+        except Exception:  # a tag only transformers knows ({% generation %}): which variables it reads is unknown
+            return []
     return sorted(k for k in kwargs if k not in read)

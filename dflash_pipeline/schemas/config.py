@@ -8,12 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.method import GAMMA_BY_BLOCK_SIZE, gamma_table_text
+from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
 
 CODEC_NAMES = ("bf16", "fp8")
 
 
 def _to_dict(obj) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(obj), default=str))
+
+
+def check_gpus(gpus: str) -> None:
+    """--gpus: 'all' or a positive number of GPUs (one process each)."""
+    if gpus != "all" and not (gpus.isdigit() and int(gpus) >= 1):
+        raise ValueError(f"--gpus must be 'all' or a positive number, got '{gpus}'")
 
 
 @dataclass
@@ -25,6 +32,8 @@ class ExtractConfig:
     data: list[str] = field(default_factory=list)   # empty: the embedded ShareGPT conversations
     max_length: int = 2048
     limit: int | None = None
+    # Variables of the target's chat template (e.g. {"enable_thinking": false}); a JSON string is parsed.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     layers: list[int] | None = None      # None: the DFlash default for num_features
     num_features: int = 5
     topk: int = 32
@@ -46,6 +55,7 @@ class ExtractConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"--codec must be one of {', '.join(CODEC_NAMES)}, got '{self.codec}'")
         if self.dtype not in ("auto", "bf16", "fp32", "fp16"):
@@ -58,8 +68,7 @@ class ExtractConfig:
             raise ValueError("--topk must be >= 0")
         if self.limit is not None and self.limit < 1:
             raise ValueError("--limit must be >= 1")
-        if self.gpus != "all" and not (self.gpus.isdigit() and int(self.gpus) >= 1):
-            raise ValueError(f"--gpus must be 'all' or a positive number, got '{self.gpus}'")
+        check_gpus(self.gpus)
         if self.layers is not None and (not self.layers or sorted(set(self.layers)) != list(self.layers)):
             raise ValueError(f"--layers must be strictly increasing layer ids, got {self.layers}")
         if self.device not in ("auto", "cuda", "cpu"):
@@ -188,6 +197,7 @@ class RuntimeConfig:
     loss_chunk: int = 4096
 
     def __post_init__(self) -> None:
+        check_gpus(self.gpus)
         if self.loss_chunk < 1:
             raise ValueError("--loss-chunk must be >= 1")
         if self.checkpoint_layers < 0:

@@ -1,0 +1,229 @@
+"""`dflash eval` as a run: what plain decoding records for the lossless rule, the prompts (several files,
+every turn), the report per file and pooled, and the multi-process path (two CPU processes give the same
+tokens as one, in one merged report)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from dflash_pipeline.errors import DFlashError
+from dflash_pipeline.eval.graphed import GraphedTarget
+from dflash_pipeline.eval.lossless import check_greedy, teacher_forcing
+from dflash_pipeline.eval.models import Target
+from dflash_pipeline.eval.prompts import EMBEDDED, Prompt, load_prompts
+from dflash_pipeline.eval.report import PromptResult, acceptance, render_report, summarize
+from dflash_pipeline.eval.run import EvalConfig, run_eval
+from dflash_pipeline.eval.speculative import Generation, Step, target_generate
+from dflash_pipeline.extract import readers
+from dflash_pipeline.train.export import export_drafter
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+from decoding_helpers import hf_greedy, tiny_causal_lm
+from helpers import make_tiny_target
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- what plain decoding records
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_plain_decoding_keeps_the_top_two_logits_and_teacher_forcing_agrees(graphed):
+    """The top-1/top-2 logits plain decoding keeps (in a device buffer, read once) are the target's own at
+    every position (a plain forward over the output says so), and teacher forcing along the output, in
+    chunks of any size, gives back the same tokens and logits."""
+    model, N = tiny_causal_lm("llama"), 24
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    want = hf_greedy(model, prompt, N)
+    with torch.no_grad():  # before the graphed target takes the model's attention over
+        logits = model(torch.tensor([prompt + want[:-1]])).logits[0, len(prompt) - 1:].float()
+    top = logits.topk(2).values
+    target = GraphedTarget(model, [], max_len=len(prompt) + N + 4, block_size=4) if graphed else Target(model)
+    base = target_generate(target, prompt, max_new_tokens=N, temperature=0.0, stop_ids=frozenset())
+    assert base.tokens == want
+    assert len(base.tokens) == len(base.top1) == len(base.top2) == N
+    torch.testing.assert_close(torch.tensor([base.top1, base.top2]).T, top, atol=1e-4, rtol=1e-4)
+    for chunk in (512, 5):  # 5: the prompt itself spans two chunks
+        argmax, top1, top2 = teacher_forcing(target, prompt, base.tokens, chunk=chunk)
+        assert argmax == base.tokens == logits.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor([top1, top2]).T, top, atol=1e-4, rtol=1e-4)
+    sampled = target_generate(target, prompt, max_new_tokens=4, temperature=0.8, stop_ids=frozenset(),
+                              generator=torch.Generator().manual_seed(0))
+    assert sampled.top1 == sampled.top2 == []  # nothing to check at T > 0
+    target.close()
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def test_every_reply_of_a_conversation_is_a_turn_prompt():
+    s, u1, a1, u2, a2, u3 = ({"role": r, "content": c} for r, c in [
+        ("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "how?"), ("assistant", "so"),
+        ("user", "and?")])
+    assert readers.turn_prompts({"messages": [s, u1, a1, u2, a2, u3]}) == [[s, u1], [s, u1, a1, u2],
+                                                                          [s, u1, a1, u2, a2, u3]]
+    assert readers.turn_prompts({"messages": [u1, a1, a2]}) == [[u1]]  # a reply after a reply asks nothing new
+    assert readers.turn_prompts({"prompt": "hi"}) == [[u1]]
+    assert readers.prompt_messages({"messages": [s, u1, a1, u2, a2]}) == [s, u1]
+    for bad in ({"text": "plain"}, {"messages": [a1, u1]}):
+        with pytest.raises(readers.BadRowError, match=readers.NO_PROMPT):
+            readers.turn_prompts(bad)
+
+
+def _write(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+CHATS = [
+    {"messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Red."},
+                  {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Blue."}]},
+    {"prompt": "Count to three."},
+    {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi."}]},
+]
+CODE = [{"prompt": "def add(a, b):"}, {"prompt": "Write a loop in C."}, {"prompt": "Sort a list in Python."}]
+
+
+def test_prompts_from_several_files_each_with_its_limit_and_every_turn(tmp_path, smollm_tokenizer):
+    tok = smollm_tokenizer
+    chat, code = _write(tmp_path / "chat.jsonl", CHATS), _write(tmp_path / "code.jsonl", CODE)
+    got = load_prompts([chat, code], tok, limit=2)
+    assert [(p.file, p.sample_id, p.turn) for p in got] == [(chat, 0, 0), (chat, 1, 0), (code, 0, 0), (code, 1, 0)]
+    turns = load_prompts([chat], tok, limit=10, all_turns=True)
+    assert [(p.sample_id, p.turn) for p in turns] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    want = tok.apply_chat_template(CHATS[0]["messages"][:3], tokenize=False, add_generation_prompt=True)
+    assert turns[1].ids == tok(want, add_special_tokens=False)["input_ids"]
+    assert turns[0].ids == got[0].ids
+    assert [p.file for p in load_prompts(None, tok, limit=2)] == [EMBEDDED] * 2
+
+    empty = _write(tmp_path / "none.jsonl", [{"text": "no prompt here"}])
+    with pytest.raises(DFlashError, match="none.jsonl: no usable prompts"):
+        load_prompts([chat, empty], tok, limit=2)
+    with pytest.raises(DFlashError, match="missing.jsonl"):
+        load_prompts([chat, str(tmp_path / "missing.jsonl")], tok, limit=2)
+    with pytest.raises(ValueError, match="prompt file given twice: a.jsonl"):
+        EvalConfig(drafter="d", prompts=["a.jsonl", "b.jsonl", "a.jsonl"])
+    assert EvalConfig(drafter="d").max_new_tokens == 2048 and not EvalConfig(drafter="d").all_turns
+
+
+# ---------------------------------------------------------------- the report per file and pooled
+
+
+def _result(file: str, sid: int, committed: list[int], seconds: float, base_seconds: float) -> PromptResult:
+    tokens = list(range(1 + sum(committed)))
+    spec = Generation(tokens, seconds, [Step(3, c - 1, c) for c in committed])
+    base = Generation(tokens, base_seconds, top1=[2.0] * len(tokens), top2=[1.0] * len(tokens))
+    check = check_greedy(sid, tokens, tokens, base.top1, base.top2, torch.float32, lambda: None)
+    return PromptResult(Prompt(file, sid, 0, [1, 2]), spec, base, check)
+
+
+def test_report_per_file_and_pooled():
+    results = [_result("chat.jsonl", 0, [4, 4, 2], 1.0, 4.0), _result("code.jsonl", 0, [1, 1], 1.0, 1.0),
+               _result("chat.jsonl", 1, [4, 1], 0.5, 2.0)]
+    rep = summarize(results, block_size=4, temperature=0.0, dtype=torch.float32)
+    assert list(rep["per_file"]) == ["chat.jsonl", "code.jsonl"]
+    chat, code = rep["per_file"]["chat.jsonl"], rep["per_file"]["code.jsonl"]
+    assert chat["tau"] == 15 / 5 and code["tau"] == 1.0 and rep["tau"] == 17 / 7
+    assert chat["speedup"] == pytest.approx((15 / 1.5) / (15 / 6.0)) and code["speedup"] == pytest.approx(1.0)
+    assert chat == {**acceptance(results[::2], 4), "lossless": True, "num_mismatches": 0, "num_tie_divergences": 0}
+    assert rep["prompts"] == 3 and rep["lossless"] is True
+    out = io.StringIO()
+    render_report(rep, Console(file=out, width=150))
+    table = out.getvalue()[out.getvalue().index("per prompt file"):]
+    assert "chat.jsonl" in table and "code.jsonl" in table and "pooled" in table and "3.00" in table
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _drafter(out, layers: int) -> str:
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                        vocab_size=49152, block_size=4, mask_token_id=0, target_layer_ids=[1, layers - 2],
+                        num_target_layers=layers)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.3, generator=torch.Generator().manual_seed(0))
+    export_drafter(model, cfg, out, dtype=torch.float32)
+    return str(out)
+
+
+def _under_a_launcher(proc, cfg: EvalConfig) -> dict:
+    return run_eval(cfg)  # RANK / WORLD_SIZE are in the environment, as torchrun sets them
+
+
+def test_two_processes_decode_the_same_tokens_as_one(tmp_path, smollm_dir):
+    """Prompts of two files divided over two CPU processes, spawned here or started by a launcher: one
+    merged report, per file and pooled, and the same tokens, step counts and checks as one process."""
+    from dflash_pipeline.launch import launch
+
+    target = make_tiny_target(tmp_path / "target", smollm_dir, layers=4)
+    drafter = _drafter(tmp_path / "drafter", 4)
+    files = [_write(tmp_path / "chat.jsonl", CHATS), _write(tmp_path / "code.jsonl", CODE)]
+    reports, records = [], []
+    for procs in (1, 2, "launcher"):
+        rec = tmp_path / f"records-{procs}.jsonl"
+        cfg = EvalConfig(drafter=drafter, target=str(target), prompts=files, num_prompts=2, all_turns=True,
+                         max_new_tokens=12, device="cpu", num_procs=procs if procs != "launcher" else None,
+                         records=str(rec))
+        if procs == "launcher":
+            rank0, rank1 = launch(_under_a_launcher, (cfg,), nprocs=2, kind="cpu")
+            assert rank1 == {}  # rank 0 reports
+            reports.append(rank0)
+        else:
+            reports.append(run_eval(cfg))
+        records.append([json.loads(line) for line in rec.read_text().splitlines()])
+    one, two, launched = reports
+    assert (one["processes"], two["processes"], two["devices"], launched["processes"]) == (1, 2, ["cpu", "cpu"], 2)
+    assert [(r["file"], r["sample_id"], r["turn"]) for r in records[1]] == [
+        (files[0], 0, 0), (files[0], 0, 1), (files[1], 0, 0), (files[1], 1, 0)]
+    for a, b, c in zip(*records):
+        assert a["tokens"] == b["tokens"] == c["tokens"] and a["target_tokens"] == b["target_tokens"]
+        assert len(a["tokens"]) == 12 and a["committed_per_step"] == b["committed_per_step"] == c["committed_per_step"]
+        assert a["failure"] is b["failure"] is None
+    for key in ("tau", "prompts", "generated_tokens", "steps", "accept_hist", "lossless", "mismatches"):
+        assert one[key] == two[key] == launched[key], key
+    assert two["lossless"] is True and two["prompts"] == 4 and list(two["per_file"]) == files
+    assert [two["per_file"][f]["prompts"] for f in files] == [2, 2]
+    assert all(two["step_ms"][k] > 0 for k in ("target_decode", "target_verify", "drafter"))
+
+
+def test_a_user_error_in_a_process_is_one_line(tmp_path, smollm_dir):
+    """Drafter weights that do not load are found inside the processes: the error comes back as one line."""
+    target = make_tiny_target(tmp_path / "target", smollm_dir, layers=4)
+    drafter = _drafter(tmp_path / "drafter", 4)
+    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"not weights")
+    cfg = EvalConfig(drafter=drafter, target=str(target), num_prompts=1, max_new_tokens=4, device="cpu",
+                     records=str(tmp_path / "no-such-dir" / "r.jsonl"))
+    with pytest.raises(DFlashError, match="no-such-dir/r.jsonl: its folder does not exist"):
+        run_eval(cfg)
+    cfg.records = None
+    with pytest.raises(DFlashError, match="cannot load the drafter weights"):
+        run_eval(cfg)
+
+
+def test_command_line_takes_several_prompt_files_and_the_new_options(monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.eval import run
+
+    seen = []
+    monkeypatch.setattr(run, "run_eval", lambda cfg, progress=None: seen.append(cfg) or {})
+    res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--prompts", "chat.jsonl", "code.jsonl", "math.jsonl",
+                                   "--all-turns", "--gpus", "2", "--records", "r.jsonl"])
+    assert res.exit_code == 0, res.output
+    cfg = seen[-1]
+    assert cfg.prompts == ["chat.jsonl", "code.jsonl", "math.jsonl"] and cfg.all_turns and cfg.gpus == "2"
+    assert cfg.records == "r.jsonl" and cfg.max_new_tokens == 2048 and cfg.num_prompts == 32
+    assert CliRunner().invoke(app, ["eval", "--drafter", "d"]).exit_code == 0 and seen[-1].prompts is None
+    res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--gpus", "two"])
+    assert res.exit_code == 2 and "--gpus must be 'all' or a positive number" in res.stderr
