@@ -84,7 +84,8 @@ class Plan:
     warmup_steps: int = 10          # not timed (compilation)
     num_workers: int = 2
     log_every: int = 10
-    train_jobs: int = 3             # trainings at once on the GPU (host-bound: they overlap)
+    train_jobs: int = 1             # trainings at once: on one H200 three at once ran at 14K tok/s each
+                                    # against 48K alone (measured 2026-12-01), so they do not overlap
     eval_jobs: int = 4              # evals at once
     gen_batch_tokens: int | None = None
     extract_tokens_per_batch: int | None = None
@@ -98,8 +99,8 @@ REAL = Plan(
     max_new_tokens=384,     # generate: 10K replies, ~2.5M new tokens; at 30-60K tok/s ~40-80 s (+ load)
     max_length=1024,        # stores: original ~4.0M tokens (~17 GB bf16), regenerated ~3.2M (~13 GB bf16,
                             # ~9 GB fp8): 3 extractions of ~40-50 s + ~20 s start each (83K tok/s)
-    steps=400,              # 400 x 12,288 = 4.9M tokens (~1.5 epochs of the regenerated store): ~65 s + ~50 s
-                            # start-up per run alone; 6 recipes 3 at a time ~4-5 min if they overlap 2x (to check)
+    steps=400,              # 400 x 12,288 = 4.9M tokens (1.24 epochs of the regenerated store): ~100 s at the
+                            # measured 48K tok/s alone + ~50 s start-up per run; still learning at 400 (BENCHMARKS.md)
     curve=(0.25, 0.5, 2.0),  # with the recipe run: 100 / 200 / 400 / 800 steps (extra ~2.75 runs)
 )
 # evals: 3 per drafter (chat T=0 and T=1, code T=0), 24 / 12 prompts x 192 new tokens, each prompt decoded
