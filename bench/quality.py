@@ -101,7 +101,8 @@ REAL = Plan(
                             # ~9 GB fp8): 3 extractions of ~40-50 s + ~20 s start each (83K tok/s)
     steps=400,              # 400 x 12,288 = 4.9M tokens (1.24 epochs of the regenerated store): ~100 s at the
                             # measured 48K tok/s alone + ~50 s start-up per run; still learning at 400 (BENCHMARKS.md)
-    curve=(0.25, 0.5, 2.0),  # with the recipe run: 100 / 200 / 400 / 800 steps (extra ~2.75 runs)
+    curve=(0.5, 2.0, 4.0),   # with the recipe run: 200 / 400 / 800 / 1,600 steps (~11 min of training alone);
+                             # the first run (400 steps) was still learning, so the curve reaches 4x further
 )
 # evals: 3 per drafter (chat T=0 and T=1, code T=0), 24 / 12 prompts x 192 new tokens, each prompt decoded
 # twice (target alone, speculative); at the eval issue's goal (80 prompts x 256 tokens < 3 min) ~40-50 s
