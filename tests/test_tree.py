@@ -26,8 +26,9 @@ import torch
 
 from dflash_pipeline.decoding.tree import (
     Tree, accept_paths, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, kept_slots, reference_depths,
-    slot_topk, target_choices, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
+    slot_topk, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
 )
+from dflash_pipeline.decoding.sampling import choose
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.models import Target
 from dflash_pipeline.eval.speculative import greedy_accept, target_generate
@@ -305,7 +306,7 @@ def tree_generate(model, draft, prompt, *, depth: int, budget: int, max_new_toke
     V = model.config.vocab_size
     cache = DynamicCache(config=model.config)
     logits = _forward(model, prompt, list(range(len(prompt))), cache)
-    tokens = [int(target_choices(logits[-1:], temperature, generator)[0])]
+    tokens = [int(choose(logits[-1:], temperature, generator)[0])]
     start, accepted = len(prompt), []
     while len(tokens) < max_new_tokens:
         d = min(depth, max_new_tokens - len(tokens) - 1)  # never commit past max_new_tokens
@@ -314,7 +315,7 @@ def tree_generate(model, draft, prompt, *, depth: int, budget: int, max_new_toke
         tree = build_tree(lp, ids, budget)
         mask = tree_attention_mask(tree, start, dtype=torch.float32)
         logits = _forward(model, tree.input_ids(anchor), tree.positions(start), cache, mask)
-        path, token = walk(tree, target_choices(logits, temperature, generator))
+        path, token = walk(tree, choose(logits, temperature, generator))
         compact_cache(cache, kept_slots(start, path))
         tokens += tree.tokens_N[path].tolist() + [token]
         start += len(path) + 1

@@ -31,17 +31,18 @@ anchor, slot i + 1 is node i) after its cache of `start` committed tokens. Slot 
 own ancestors (the anchor included) and itself only (`Tree.ancestor_mask`), at position start + depth
 (`Tree.positions`): every node sees exactly the context it would have in plain decoding of its path.
 
-Acceptance (`walk`). The target's choice is taken once at every slot: its argmax at T = 0, one token
-drawn from softmax(logits / T) at T > 0. From the anchor, descend to the child whose token equals the
-choice at the current slot while there is one; commit the path's tokens and the choice at the last
-slot reached (the correction where the path leaves the tree, the bonus at a leaf). Greedy, this is
-plain greedy decoding by induction. At T > 0 it keeps the target's distribution exactly: the first
-committed token is the choice at the anchor, a draw from p(. | context); each later one is the draw at
-the node of the prefix committed so far, i.e. from p(. | context, prefix); the draws are independent and
-each is used at most once, so the committed sequence is distributed as the target's own sampling, token
-by token, whatever the tree. For a tree fixed before verification (top-K, not sampled) no exact rule
-can do better: any exact rule commits a token distributed as p at the node, and it can only go on when
-that token is a child, so P(descend at u) <= p_u(children of u), which this rule reaches.
+Acceptance (`walk`). The target's choice is taken once at every slot (`decoding.sampling.choose`): its
+argmax at T = 0, one token drawn from softmax(logits / T) at T > 0. From the anchor, descend to the
+child whose token equals the choice at the current slot while there is one; commit the path's tokens and
+the choice at the last slot reached (the correction where the path leaves the tree, the bonus at a
+leaf). Greedy, this is plain greedy decoding by induction. At T > 0 it keeps the target's distribution
+exactly: the first committed token is the choice at the anchor, a draw from p(. | context); each later
+one is the draw at the node of the prefix committed so far, i.e. from p(. | context, prefix); the draws
+are independent and each is used at most once, so the committed sequence is distributed as the target's
+own sampling, token by token, whatever the tree. For a tree fixed before verification (top-K, not
+sampled) no exact rule can do better: any exact rule commits a token distributed as p at the node, and
+it can only go on when that token is a child, so P(descend at u) <= p_u(children of u), which this rule
+reaches.
 
 Reference walk (the held-out estimate): with the reference continuation as the choice at every depth,
 the accepted depth at anchor p is how much of the reference the tree holds; walking p <- p + depth + 1
@@ -63,7 +64,6 @@ import numpy as np
 import torch
 
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.eval.speculative import probs_from_logits, sample
 
 # ---------------------------------------------------------------- the tree
 
@@ -262,14 +262,6 @@ def build_tree(logprobs_DK: torch.Tensor, ids_DK: torch.Tensor, budget: int) -> 
 # ---------------------------------------------------------------- acceptance
 
 
-def target_choices(logits_SV: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """[S] the target's own choice at every verified slot: argmax at T = 0, else one independent draw
-    from softmax(logits / T) per slot (see the module docstring for why drawing at every slot is exact)."""
-    if temperature == 0:
-        return logits_SV.argmax(-1)
-    return sample(probs_from_logits(logits_SV, temperature), generator)
-
-
 def accept_paths(trees: Trees, choice_AS: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(accepted drafts n [A], token to commit after them [A], path [A, depth]: the accepted node at depth
     1..n, -1 beyond) of following the target's choice (choice_AS: one per verified slot) down each tree.
@@ -433,7 +425,7 @@ def compact_cache(cache, keep: torch.Tensor) -> None:
 
 
 __all__ = [
-    "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "target_choices", "accept_paths", "walk",
+    "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "accept_paths", "walk",
     "walk_sequence", "reference_depths", "tree_estimate", "tree_attention_mask", "kept_slots", "check_tree_target",
     "check_tree_cache", "compact_cache",
 ]

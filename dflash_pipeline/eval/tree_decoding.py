@@ -33,9 +33,10 @@ from typing import Sequence
 
 import torch
 
-from dflash_pipeline.decoding.tree import Trees, accept_paths, build_trees, slot_topk, target_choices, topk_for_budget
+from dflash_pipeline.decoding.sampling import choose, next_token
+from dflash_pipeline.decoding.tree import Trees, accept_paths, build_trees, slot_topk, topk_for_budget
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.eval.speculative import Drafter, Generation, Step, _clock, _until_stop, _untimed, next_token
+from dflash_pipeline.eval.speculative import Drafter, Generation, Step, _clock, _until_stop, _untimed
 
 
 def draft_tree(draft_logits_DV: torch.Tensor, depth: int, budget: int) -> Trees:
@@ -88,7 +89,7 @@ target_decode for a last round that can commit one token only)."""
             ids_S, offsets_S, mask_SS = (x[0] for x in trees.verify_inputs(anchor, depth))
         with timer("target_verify"):
             io = target.verify_tree(ids_S, offsets_S, mask_SS, start)
-        choice_S = io.argmax_Rq[0] if temperature == 0 else target_choices(io.logits_RqV[0], temperature, generator)
+        choice_S = io.argmax_Rq[0] if temperature == 0 else choose(io.logits_RqV[0], temperature, generator)
         n, token, path = accept_paths(trees, choice_S[None], depth)
         target.compact_path(start, path[0])
         # Features of the anchor and the path's nodes (slot 0, then slot node + 1): the next context.
