@@ -4,8 +4,8 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval decode codecs train-step replica ddp disk attention
-#         (default: all but replica, ddp, disk and attention, in that order)
+#   PART: cuda-tests extract train-store eval decode codecs train-step replica ddp disk attention tree tree-eval
+#         (default: all but replica, ddp, disk, attention, tree and tree-eval, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -16,7 +16,8 @@
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP,
-#         LIMIT_DECODE: seconds per part
+#         LIMIT_DECODE, LIMIT_TREE_EVAL: seconds per part
+#         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
 #         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
@@ -97,6 +98,14 @@ EOF
     # verify / drafter steps vs the bandwidth bound, `dflash eval` end to end (80 prompts x 256 tokens).
     part decode "${LIMIT_DECODE:-540}" "$py" bench/eval.py --tokenizer "$tok" --work "$work/decode" \
       --json "$out/decode.json" ${DECODE_ARGS:-} "${smoke[@]}" ;;
+  tree)
+    # DDTree builder cost: one tree per decoding round (eager and graphed), a held-out sequence's trees.
+    part tree 120 "$py" bench/tree.py --json "$out/tree.json" "${smoke[@]}" ;;
+  tree-eval)
+    # `dflash eval --tree-budget 0,16,64,256` on a random Qwen3-8B-shaped target: tau, tok/s, speedup and
+    # the tree verify step per budget, one run.
+    part tree-eval "${LIMIT_TREE_EVAL:-540}" "$py" bench/tree_eval.py --json "$out/tree-eval.json" \
+      ${TREE_EVAL_ARGS:-} "${smoke[@]}" ;;
   codecs)
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
   train-step)
