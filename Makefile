@@ -29,10 +29,12 @@ test: $(STAMP)
 # Our CLI by module, whatever else installed a `dflash` command into the environment.
 DFLASH := $(PY) -m dflash_pipeline
 
-# The main job on the embedded default, small enough for 2 CPU cores: extract a few hundred real
-# conversations, inspect the store, train a small drafter that visibly learns, measure real acceptance.
+# The main job on the embedded default, small enough for 2 CPU cores: the target rewrites the first
+# reply of a few hundred real conversations (short replies), extract them, inspect the store, train a
+# small drafter that visibly learns, measure real acceptance.
 demo: $(STAMP)
-	$(DFLASH) extract --out $(DEMO)/store --limit 160 --max-length 512 --segment-tokens 8192 --tokens-per-batch 4096
+	$(DFLASH) generate --out $(DEMO)/generated --limit 160 --turns first --max-new-tokens 96 --max-length 512
+	$(DFLASH) extract --out $(DEMO)/store --data $(DEMO)/generated --max-length 512 --segment-tokens 8192 --tokens-per-batch 4096
 	$(DFLASH) store stats $(DEMO)/store --plot $(DEMO)/store-stats.png
 	rm -rf $(DEMO)/run
 	$(DFLASH) train --store $(DEMO)/store --out $(DEMO)/run --epochs 3 --num-layers 2 --block-size 8 \

@@ -4,8 +4,8 @@
 # JSON results of each part.
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
-#   PART: cuda-tests extract train-store eval decode codecs train-step replica ddp disk attention tree tree-eval
-#         (default: all but replica, ddp, disk, attention, tree and tree-eval, in that order)
+#   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
+#         tree tree-eval (default: all but replica, ddp, disk, attention, tree and tree-eval, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -16,16 +16,17 @@
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP,
-#         LIMIT_DECODE, LIMIT_TREE_EVAL: seconds per part
+#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL: seconds per part
 #         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
 #         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
+#         GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
 set -u
 out=${1:?usage: bench/gpu_all.sh OUTDIR [PART ...]}
 shift
-parts=${*:-cuda-tests extract train-store eval decode codecs train-step}
+parts=${*:-cuda-tests extract train-store eval decode generate codecs train-step}
 gpus=${GPUS:-1}
 work=${WORK:-/tmp/dflash-bench}
 tok=${TOKENIZER:-.bench_assets/tokenizer}
@@ -59,7 +60,7 @@ for p in $parts; do
   case $p in
   cuda-tests)
     part cuda-tests "${LIMIT_CUDA_TESTS:-420}" "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py \
-      tests/test_decoding_cuda.py ;;
+      tests/test_decoding_cuda.py tests/test_generate_cuda.py ;;
   replica)
     # --gpus-per-replica 2 against the whole target on one GPU: the same store (needs two GPUs).
     part replica "${LIMIT_REPLICA:-200}" "$py" bench/replica.py --tokenizer "$tok" --work "$work" --json "$out/replica.json" "${smoke[@]}" ;;
@@ -98,6 +99,11 @@ EOF
     # verify / drafter steps vs the bandwidth bound, `dflash eval` end to end (80 prompts x 256 tokens).
     part decode "${LIMIT_DECODE:-540}" "$py" bench/eval.py --tokenizer "$tok" --work "$work/decode" \
       --json "$out/decode.json" ${DECODE_ARGS:-} "${smoke[@]}" ;;
+  generate)
+    # dflash generate's engine against transformers' padded generate() and its continuous batching, same
+    # prompts, same run; SmolLM2- and Qwen3-8B-shaped random targets; the 8B step against the bandwidth bound.
+    part generate "${LIMIT_GENERATE:-480}" "$py" bench/generate.py --tokenizer "$tok" --work "$work" \
+      --json "$out/generate.json" ${GENERATE_ARGS:-} "${smoke[@]}" ;;
   tree)
     # DDTree builder cost: one tree per decoding round (eager and graphed), a held-out sequence's trees.
     part tree 120 "$py" bench/tree.py --json "$out/tree.json" "${smoke[@]}" ;;

@@ -164,6 +164,42 @@ def extract(
     run_extract(cfg)
 
 
+@app.command("generate")
+@user_errors
+def generate(
+    out: str = typer.Option(..., "--out", help="Output folder: shards of regenerated conversations, run records (re-run to resume)."),
+    data: Optional[list[str]] = typer.Option(None, "--data", help="JSONL/JSON/Parquet conversations (ShareGPT, OpenAI messages or prompt); repeatable. Default: the embedded ShareGPT conversations."),
+    target: Optional[str] = typer.Option(None, "--target", help="HF model folder, hub id in the local cache, or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Regenerate at most this many conversations."),
+    max_new_tokens: int = typer.Option(2048, "--max-new-tokens", help="Tokens per reply; a reply that reaches it is kept and marked truncated."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="Prompt + reply tokens per sequence (default 4096, or the target's limit if lower); a longer conversation ends its replay there."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens whose probability reaches P."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the K most likely tokens (0: all)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the per-reply random streams (results do not depend on batching)."),
+    turns: str = typer.Option("all", "--turns", help="all: regenerate every assistant turn given the regenerated history; first: only the first reply."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}'."),
+    shard_size: int = typer.Option(256, "--shard-size", help="Conversations per output shard (unit of work, commit and resume)."),
+    fmt: str = typer.Option("jsonl", "--format", help="Shard files: jsonl or parquet."),
+    gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs to use (one process each)."),
+    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="KV-cache tokens per GPU (sequences in flight x --max-length); default: what fits in memory."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
+    device: str = typer.Option("auto", "--device", help="auto, cuda or cpu."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
+):
+    """Regenerate the assistant turns of conversations with the target (crash-safe; re-run to resume)."""
+    from dflash_pipeline.schemas.generate import GenerateConfig
+
+    cfg = _config(GenerateConfig, out=out, target=target, data=list(data or []), limit=limit,
+                  max_new_tokens=max_new_tokens, max_length=max_length, temperature=temperature, top_p=top_p,
+                  top_k=top_k, seed=seed, turns=turns, chat_template_kwargs=chat_template_kwargs,
+                  shard_size=shard_size, format=fmt, gpus=gpus, batch_tokens=batch_tokens, dtype=dtype,
+                  device=device, quiet=quiet)
+    from dflash_pipeline.generate.pipeline import run_generate
+
+    run_generate(cfg)
+
+
 @app.command("train")
 @user_errors
 def train(

@@ -104,6 +104,7 @@ FAMILIES = [
 TEMPLATE_NAMES = {"": "ChatML (SmolLM2's)", "qwen3": "Qwen3", "qwen3_thinking": "Qwen3 thinking-only (Next-Thinking)",
                   "qwen3_5": "Qwen3.5", "qwen3_6": "Qwen3.6", "gemma3": "Gemma 3 (its structure)"}
 STATUS = "extract, train, export and eval tested on CPU; eval lossless in fp32"
+GENERATE = {False: "generate equals plain greedy decoding", True: "generate refuses it (no static cache)"}
 
 
 def build(family: Family, out_dir, tokenizer_dir, seed: int = 0) -> Path:
@@ -131,7 +132,7 @@ def readme_table() -> str:
     rows = ["| family | model_type | what is special | chat templates (loss mask tested) | status |",
             "|---|---|---|---|---|"]
     rows += [f"| {f.name} | `{f.model_type}` | {f.special} | {', '.join(TEMPLATE_NAMES[t] for t in f.chat_templates)} "
-             f"| {STATUS}{f.also} |" for f in FAMILIES]
+             f"| {STATUS}; {GENERATE[f.hybrid]}{f.also} |" for f in FAMILIES]
     return "\n".join(rows)
 
 

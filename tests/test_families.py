@@ -183,6 +183,44 @@ def test_eval_is_lossless(family, data):
     print(f"{family.family.model_type}: tau {report['tau']:.2f} over {report['steps']} steps, lossless")
 
 
+def test_generate_equals_plain_decoding_or_refuses(family):
+    """`dflash generate`'s engine on the static-cache runner: each reply is the target's plain greedy
+    decoding of its prompt alone (rows refilled as replies end); a hybrid target is refused up front."""
+    from dflash_pipeline.errors import DFlashError
+    from dflash_pipeline.generate.engine import Engine, Request
+    from dflash_pipeline.generate.rows import check_target, make_rows
+
+    if family.family.hybrid:
+        with pytest.raises(DFlashError, match="linear_attention layers"):
+            check_target(family.target)
+        return
+    check_target(family.target)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (6, 15, 11, 3)]
+    target = Target(family.model)
+    want = {i: target_generate(target, p, max_new_tokens=10, temperature=0.0, stop_ids=frozenset()).tokens
+            for i, p in enumerate(prompts)}
+    target.close()
+    done = {}
+
+    class Source:
+        todo = [Request(i, p, 0, 10, "length") for i, p in enumerate(prompts)]
+
+        def next_request(self):
+            return self.todo.pop(0) if self.todo else None
+
+        def finished(self, d):
+            done[d.request.key] = d.tokens
+
+        def exhausted(self):
+            return not self.todo
+
+    rows = make_rows(family.model, 2, 64, torch.device("cpu"))
+    Engine(rows, stop_ids=[]).run(Source())
+    rows.close()
+    assert done == want
+
+
 def test_readme_lists_the_families():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert readme_table() in readme, "README's 'Supported target families' differs: python tests/families.py"

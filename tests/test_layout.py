@@ -9,19 +9,23 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_pipeline"
 
 # part -> parts it must not import. extract/ and train/ are the two stages and know nothing of each
-# other (what both need lives in method.py, launch.py, schemas/ or store/); eval/ may use both. The
-# shared modules below them import none of the stages. decoding/ serves both eval/ and train/ (the
-# held-out tree estimate), so it must not reach up into eval/.
+# other (what both need lives in method.py, launch.py, schemas/ or store/); eval/ may use both.
+# generate/ comes before extraction: it uses extract's readers and eval's target helpers, and nothing
+# but the CLI imports it (extract reads its output through schemas/generate.py). The shared modules
+# below them import none of the stages. decoding/ builds on train/'s drafter model and serves eval/,
+# generate/ and train/'s held-out tree estimate, so it must not reach up into eval/ or generate/.
 FORBIDDEN = {
-    "decoding": {"eval"},
-    "extract": {"train", "eval"},
-    "train": {"extract", "eval"},
-    "store": {"extract", "train", "eval"},
-    "schemas": {"extract", "train", "eval", "store"},
-    "method": {"extract", "train", "eval", "store"},
-    "launch": {"extract", "train", "eval", "store"},
-    "progress": {"extract", "train", "eval", "store"},
-    "errors": {"extract", "train", "eval", "store"},
+    "decoding": {"eval", "generate"},
+    "extract": {"train", "eval", "generate"},
+    "train": {"extract", "eval", "generate"},
+    "eval": {"generate"},
+    "generate": {"train", "store"},
+    "store": {"extract", "train", "eval", "generate"},
+    "schemas": {"extract", "train", "eval", "store", "generate"},
+    "method": {"extract", "train", "eval", "store", "generate"},
+    "launch": {"extract", "train", "eval", "store", "generate"},
+    "progress": {"extract", "train", "eval", "store", "generate"},
+    "errors": {"extract", "train", "eval", "store", "generate"},
 }
 
 MAX_FUNCTION_LINES = 90

@@ -86,6 +86,9 @@ class StoreMeta:
     codec_params: dict[str, Any] = field(default_factory=dict)
     extract_config: dict[str, Any] = field(default_factory=dict)
     data_fingerprint: str = ""
+    # Inputs written by `dflash generate`: for each, the target that wrote the replies (and whether it is
+    # this store's target) and the sampling settings. Empty: the replies are the data's own.
+    data_provenance: list[dict[str, Any]] = field(default_factory=list)
     tool_version: str = ""
     layer_convention: str = LAYER_CONVENTION
     format_version: int = FORMAT_VERSION

@@ -1,0 +1,1 @@
+"""`dflash generate`: the target rewrites the assistant turns of the training conversations."""

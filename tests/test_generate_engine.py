@@ -1,0 +1,111 @@
+"""`dflash generate`'s engine on the real decoding runner (CPU, fp32, tiny random models with peaked logits):
+
+- several rows prefilled in one forward (generate/prefill.py: any set of rows, chunks, groups under a
+  token budget) leave the runner exactly as one-row prefills do: the same last-token logits, and the
+  same logits at every later decode step (K/V, positions and sliding-window positions in place);
+- the continuous-batching engine on `RunnerRows` (rows refilled as replies end, stale rows reset)
+  produces, for every request, what transformers' greedy `generate()` produces for that prompt alone,
+  cut at the first stop token and at the request's limit;
+- a target the runner cannot run is refused in one line before anything is planned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding_helpers import hf_greedy, tiny_causal_lm
+from dflash_pipeline.decoding.runner import DecodingRunner
+from dflash_pipeline.errors import DFlashError
+from dflash_pipeline.eval.models import Target
+from dflash_pipeline.generate.engine import Engine, Request
+from dflash_pipeline.generate.prefill import prefill_rows
+from dflash_pipeline.generate.rows import check_target, make_rows
+
+KINDS = ["llama", "qwen3", "gemma3", "gemma2"]   # GQA; sliding windows 5 and 4; soft-capping
+
+
+def _prompts(lengths, seed=0, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_of_many_rows_equals_one_row_prefills(kind):
+    model = tiny_causal_lm(kind, seed=1)
+    head = Target(model).logits
+    prompts = _prompts([7, 30, 12, 1])
+    rows = [2, 0, 3, 1]
+    with DecodingRunner(model, rows=4, max_len=64) as many, DecodingRunner(model, rows=4, max_len=64) as one:
+        many.prefill(0, list(range(20)))   # stale contents, which the prefill must forget
+        got = prefill_rows(many, rows, prompts, head=head, chunk=8, max_tokens=24)   # chunks and groups
+        want = torch.stack([one.prefill(r, p)[0][-1] for r, p in zip(rows, prompts)])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert many.host_lengths == one.host_lengths == [30, 1, 7, 12]
+        for runner in (many, one):
+            assert runner.lengths_R.tolist() == runner.host_lengths
+        seen = {}
+        for name, runner in (("many", many), ("one", one)):
+            io, out = runner.inputs(1), []
+            for t in range(10):   # past every sliding window
+                io.ids_Rq[:, 0] = torch.tensor([5 + t, 40 - t, 7, 90])
+                runner.step(1)
+                runner.advance(1)
+                out.append(io.logits_RqV[:, 0].clone())
+            seen[name] = torch.stack(out)
+        torch.testing.assert_close(seen["many"], seen["one"], atol=1e-5, rtol=1e-5)
+
+
+class _Requests:
+    """Each request once; what the engine returned, by key."""
+
+    def __init__(self, requests):
+        self.todo, self.done = list(requests), {}
+
+    def next_request(self):
+        return self.todo.pop(0) if self.todo else None
+
+    def finished(self, done):
+        self.done[done.request.key] = (done.tokens, done.finish)
+
+    def exhausted(self):
+        return not self.todo
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_on_the_runner_equals_plain_greedy_decoding_of_each_prompt(kind):
+    model = tiny_causal_lm(kind, seed=2)
+    capacity = 64   # = the runner's slots: the last request fills its row exactly
+    prompts = [p.tolist() for p in _prompts([9, 3, 26, 14, 6, 21, 11, 52], seed=3)]
+    limits = [12, 5, 9, 16, 3, 10, 7, capacity - 52]
+    refs = [hf_greedy(model, p, n) for p, n in zip(prompts, limits)]
+    # A token some replies produce (they end on it) and others do not (they end at their limit).
+    stop = next(t for ref in refs[:-1] for t in ref
+                if t not in refs[-1] and any(t not in other for other in refs[:-1]))
+    want = {}
+    for i, ref in enumerate(refs):
+        cut = ref[:ref.index(stop) + 1] if stop in ref else ref
+        want[i] = (cut, "stop" if stop in ref else "length")
+    want[len(refs) - 1] = (refs[-1], "context")
+    assert {f for _, f in want.values()} == {"stop", "length", "context"}
+    rows = make_rows(model, 3, capacity, torch.device("cpu"))
+    assert rows.runner.slots == capacity
+    source = _Requests([Request(i, p, 0, n, "context" if i == len(refs) - 1 else "length")
+                        for i, (p, n) in enumerate(zip(prompts, limits))])
+    stats = Engine(rows, stop_ids=[stop]).run(source)
+    rows.close()
+    assert source.done == want
+    assert stats.replies == len(prompts) and stats.prefills >= 3   # rows were refilled as replies ended
+
+
+def test_a_target_the_runner_cannot_run_is_refused_before_planning(tmp_path):
+    import transformers as tf
+
+    cfg = tf.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         layer_types=["linear_attention", "full_attention"])
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(DFlashError, match="linear_attention layers .* no eager fallback"):
+        check_target(tmp_path)
+    tiny_causal_lm("gemma3").config.save_pretrained(tmp_path / "ok")
+    check_target(tmp_path / "ok")
