@@ -5,7 +5,7 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         (default: all but replica, ddp, disk and attention, in that order)
+#         tree tree-eval (default: all but replica, ddp, disk, attention, tree and tree-eval, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -16,7 +16,8 @@
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP,
-#         LIMIT_DECODE, LIMIT_GENERATE: seconds per part
+#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL: seconds per part
+#         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
 #         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
 #         GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
@@ -103,6 +104,14 @@ EOF
     # prompts, same run; SmolLM2- and Qwen3-8B-shaped random targets; the 8B step against the bandwidth bound.
     part generate "${LIMIT_GENERATE:-480}" "$py" bench/generate.py --tokenizer "$tok" --work "$work" \
       --json "$out/generate.json" ${GENERATE_ARGS:-} "${smoke[@]}" ;;
+  tree)
+    # DDTree builder cost: one tree per decoding round (eager and graphed), a held-out sequence's trees.
+    part tree 120 "$py" bench/tree.py --json "$out/tree.json" "${smoke[@]}" ;;
+  tree-eval)
+    # `dflash eval --tree-budget 0,16,64,256` on a random Qwen3-8B-shaped target: tau, tok/s, speedup and
+    # the tree verify step per budget, one run.
+    part tree-eval "${LIMIT_TREE_EVAL:-540}" "$py" bench/tree_eval.py --json "$out/tree-eval.json" \
+      ${TREE_EVAL_ARGS:-} "${smoke[@]}" ;;
   codecs)
     part codecs 150 "$py" bench/store_codecs.py --random-qwen3 --threads 16 --json "$out/codecs.json" ;;
   train-step)

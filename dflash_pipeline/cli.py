@@ -113,6 +113,11 @@ def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
         raise DFlashError(f"{option} takes comma-separated integers, got '{text}'") from None
 
 
+def _budgets(text: str, option: str) -> list[int]:
+    """Tree budgets: comma-separated integers, or 'none' (an empty list)."""
+    return [] if text.strip().lower() in ("", "none") else (_int_list(text, option) or [])
+
+
 def _config(cls, **kwargs):
     """Build a config dataclass; its validation errors become one-line user errors."""
     from dflash_pipeline.errors import DFlashError
@@ -222,6 +227,7 @@ def train(
     gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs (one DDP process each)."),
     eval_fraction: float = typer.Option(0.02, "--eval-fraction", help="Share of samples held out for evaluation."),
     eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at each epoch end)."),
+    eval_tree_budget: str = typer.Option("16,64", "--eval-tree-budget", help="Tree budgets of the held-out estimate: tau_tree_N, the acceptance length of `dflash eval --tree-budget N` estimated on held-out samples (as tau_chain is for the chain); 'none' to skip it."),
     log_every: int = typer.Option(10, "--log-every"),
     save_every: int = typer.Option(500, "--save-every"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's latest checkpoint."),
@@ -248,6 +254,7 @@ def train(
                   swa_layers=_int_list(swa_layers, "--swa-layers") or [], tokens_per_batch=tokens_per_batch,
                   max_length=max_length, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio,
                   grad_clip=grad_clip, mask_token_id=mask_token_id, ema=ema, gpus=gpus, eval_fraction=eval_fraction, eval_every=eval_every,
+                  eval_tree_budget=_budgets(eval_tree_budget, "--eval-tree-budget"),
                   log_every=log_every, save_every=save_every, resume=resume, stop_after=stop_after, strict=strict,
                   activation_checkpointing=activation_checkpointing, checkpoint_layers=checkpoint_layers,
                   ddp_bucket_mb=ddp_bucket_mb, compile=compile_kernels, seed=seed, num_workers=num_workers, wandb=wandb, tensorboard=tensorboard, device=device,
@@ -290,6 +297,7 @@ def eval_cmd(
     gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs: prompts are divided over one process per GPU."),
     records: Optional[str] = typer.Option(None, "--records", help="Also write one JSON line per prompt (tokens of both runs, divergences) to this file."),
     compile_steps: bool = typer.Option(False, "--compile", help="torch.compile the graphed decode/verify/drafter steps (fused kernels; compiles for a minute or more first)."),
+    tree_budget: str = typer.Option("0", "--tree-budget", help="Verify a tree of N drafted tokens per step (DDTree, from the same drafter pass; 0: the chain). Several, e.g. 0,16,64,256, measure each on the same prompts: tau, tok/s and speedup per budget."),
     chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables for the prompts, as given to extract (e.g. '{\"enable_thinking\": false}')."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
@@ -304,7 +312,8 @@ def eval_cmd(
     cfg = _config(EvalConfig, drafter=drafter, target=target, prompts=files or None, num_prompts=num_prompts,
                   max_new_tokens=max_new_tokens, all_turns=all_turns, temperature=temperature, block_size=block_size,
                   seed=seed, dtype=dtype, device=device, gpus=gpus, records=records, compile=compile_steps,
-                  chat_template_kwargs=chat_template_kwargs, json=json_out)
+                  chat_template_kwargs=chat_template_kwargs, tree_budget=_int_list(tree_budget, "--tree-budget") or [],
+                  json=json_out)
     report = run_eval(cfg, LiveLine(enabled=not json_out))
     if not report:  # a rank other than 0 under a launcher: rank 0 reports
         return

@@ -5,7 +5,10 @@
   drafter's round;
 - fp32 greedy speculative decoding on graphs == transformers' greedy generate on the GPU, for tiny
   Llama / Qwen3 (sliding) / Gemma 3 and a random SmolLM2-135M-shaped target, with acceptances of
-  every length; once more with the steps compiled (`compile=True`).
+  every length; once more with the steps compiled (`compile=True`);
+- fp32 greedy tree decoding (`--tree-budget`) on graphs == transformers' greedy generate: a captured
+  verify step of q = N + 1 with the tree's depths as positions and its ancestor mask, the walk and the
+  path's compaction on the device, paths of every length, second guesses included.
 
 `DFLASH_TEST_DEVICE=cpu` runs these tests on the CPU (eager, no graphs): a check of the tests
 themselves before GPU time is spent.
@@ -22,6 +25,7 @@ from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.speculative import speculative_generate, target_generate
+from dflash_pipeline.eval.tree_decoding import tree_generate
 from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 
 DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cuda")
@@ -137,6 +141,43 @@ def speculative_equals_generate(kind: str, compile: bool) -> None:
         spec = speculative_generate(target, steered, prompt, **kw)
         assert spec.tokens == want
         assert {s.accepted for s in spec.steps} >= set(range(B - 1))  # acceptances of every length
+    finally:
+        target.close()
+
+
+class SecondGuess(Steered):
+    """Steered (the first j slots forced to the target's continuation, j = round mod B), and on odd rounds
+    a wrong token forced just above the right one at slot 1: the right path is then a second guess, which a
+    chain rejects and a tree follows."""
+
+    def draft(self, context, anchor, start):
+        logits = super().draft(context, anchor, start)
+        if len(self.seen) % 2 and len(self.seen) % self.block_size:  # odd round, slot 1 forced
+            right = int(logits[0].argmax())
+            logits[0, (right + 1) % logits.shape[-1]] = logits[0, right] + 1.0
+        return logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+def test_fp32_graphed_tree_decoding_equals_generate(kind):
+    model, drafter, layers, B = on_device(tiny_causal_lm(kind)), tiny_drafter([0, 1]).to(DEVICE), [0, 1], 4
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    N, budget = 48, 8
+    want = hf_greedy(model, prompt, N)
+    max_len = len(prompt) + N + budget + 1
+    target = GraphedTarget(model, layers, max_len=max_len, block_size=B)
+    try:
+        target.runner.prepare((1, B, budget + 1))  # the tree's verify graph too, before decoding
+        draft = SecondGuess(GraphedDraft(drafter, target, max_len=max_len), prompt + want)
+        out = tree_generate(target, draft, prompt, budget=budget, max_new_tokens=N, temperature=0.0,
+                            stop_ids=frozenset())
+        assert out.tokens == want
+        assert {s.accepted for s in out.steps} >= set(range(B))  # paths of every length, to the leaves
+        chain = speculative_generate(target, SecondGuess(GraphedDraft(drafter, target, max_len=max_len),
+                                                         prompt + want),
+                                     prompt, max_new_tokens=N, temperature=0.0, stop_ids=frozenset())
+        assert chain.tokens == want  # a chain block after tree blocks: offsets and mask back to the chain's
+        assert len(out.steps) < len(chain.steps)  # the second guesses took the tree further
     finally:
         target.close()
 

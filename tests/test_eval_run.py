@@ -1,6 +1,8 @@
 """`dflash eval` as a run: what plain decoding records for the lossless rule, the prompts (several files,
-every turn), the report per file and pooled, and the multi-process path (two CPU processes give the same
-tokens as one, in one merged report)."""
+every turn), the report per file and pooled, the multi-process path (two CPU processes give the same
+tokens as one, in one merged report), and tree verification (--tree-budget): the graphed loop against
+test_tree's reference loop, the drafter's context after a tree round, the real target in fp32, a budget
+sweep in one run, and the targets where trees are refused."""
 
 from __future__ import annotations
 
@@ -12,17 +14,19 @@ import torch
 from rich.console import Console
 
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.eval.graphed import GraphedTarget
+from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.lossless import check_greedy, teacher_forcing
-from dflash_pipeline.eval.models import Target
+from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
 from dflash_pipeline.eval.prompts import EMBEDDED, Prompt, load_prompts
 from dflash_pipeline.eval.report import PromptResult, acceptance, render_report, summarize
-from dflash_pipeline.eval.run import EvalConfig, run_eval
-from dflash_pipeline.eval.speculative import Generation, Step, target_generate
+from dflash_pipeline.eval.run import EvalConfig, evaluate, make_participants, run_eval
+from dflash_pipeline.eval.speculative import Generation, Step, speculative_generate, target_generate
+from dflash_pipeline.eval.tree_decoding import tree_generate
 from dflash_pipeline.extract import readers
 from dflash_pipeline.train.export import export_drafter
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-from decoding_helpers import hf_greedy, tiny_causal_lm
+from dflash_pipeline.progress import LiveLine
+from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 from helpers import make_tiny_target
 
 
@@ -227,3 +231,189 @@ def test_command_line_takes_several_prompt_files_and_the_new_options(monkeypatch
     assert CliRunner().invoke(app, ["eval", "--drafter", "d"]).exit_code == 0 and seen[-1].prompts is None
     res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--gpus", "two"])
     assert res.exit_code == 2 and "--gpus must be 'all' or a positive number" in res.stderr
+
+
+# ---------------------------------------------------------------- tree verification (--tree-budget)
+
+
+class CallableDraft:
+    """A test_tree drafter ((anchor, start) -> slot logits) behind the decoding loop's Drafter protocol."""
+
+    def __init__(self, fn, block_size: int):
+        self.fn, self.block_size = fn, block_size
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, context, anchor, start):
+        return self.fn(anchor, start)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graphed_tree_decoding_equals_the_reference_loop(temperature):
+    """The production loop (static cache, one verify step of q = N + 1 per round; walk, compaction and the
+    next context on the device; one transfer) commits exactly the tokens of test_tree's reference loop
+    (DynamicCache, 4D ancestor mask, `walk`; checked there against plain greedy decoding and, at T > 0,
+    against the target's own distribution), round for round, from the same random stream. Budgets below,
+    at and above the vocabulary; drafters that a tree helps and one unrelated to the target."""
+    from test_eval import tiny_llama
+    from test_tree import SecondGuessDrafter, TableDraft
+    from test_tree import tree_generate as reference_loop
+
+    V, D, L = 32, 4, 40
+    model = tiny_llama(vocab=V, seed=3, head_std=1.0)
+    model.set_attn_implementation("eager")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    base = target_generate(Target(model), prompt, max_new_tokens=L, temperature=0.0, stop_ids=frozenset()).tokens
+    drafters = [lambda: SecondGuessDrafter(prompt + base, V, D),
+                lambda: TableDraft(torch.randn(V, D, V, generator=torch.Generator().manual_seed(1)))]
+    taus = []
+    for make in drafters:
+        for budget in (3, 16, 40):
+            want, accepted = reference_loop(model, make(), prompt, depth=D, budget=budget, max_new_tokens=L,
+                                            temperature=temperature, generator=torch.Generator().manual_seed(5))
+            target = GraphedTarget(model, [], max_len=len(prompt) + L + budget + 1, block_size=D + 1)
+            out = tree_generate(target, CallableDraft(make(), D + 1), prompt, budget=budget, max_new_tokens=L,
+                                temperature=temperature, stop_ids=frozenset(),
+                                generator=torch.Generator().manual_seed(5))
+            target.close()
+            assert out.tokens == want and [s.accepted for s in out.steps] == accepted, budget
+            assert sum(s.committed for s in out.steps) == L - 1 and all(s.drafted <= D for s in out.steps)
+            if temperature == 0:
+                assert out.tokens == base
+            taus.append(sum(s.committed for s in out.steps) / len(out.steps))
+    assert max(taus) > (3 if temperature == 0 else 1.5)  # deep paths were accepted
+
+
+class Recording(Steered):
+    """Steered (forced prefixes of varied length, so the tree accepts paths of every length) that also
+    keeps each round's (start, anchor)."""
+
+    def __init__(self, inner, sequence):
+        super().__init__(inner, sequence)
+        self.calls: list[tuple[int, int]] = []
+
+    def draft(self, context, anchor, start):
+        self.calls.append((start, anchor))
+        return super().draft(context, anchor, start)
+
+
+def test_tree_rounds_give_the_drafter_the_features_of_the_committed_path():
+    """After each tree round the drafter's context is the target features of the anchor and the accepted
+    nodes, taken from the tree's verify step at the nodes' slots: every round's drafter logits equal the
+    eager drafter's on the features of one plain forward over the committed tokens."""
+    model, layers, B, N = tiny_causal_lm("llama"), [0, 2], 4, 24
+    drafter_model = tiny_drafter(layers, block_size=B)
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    want = hf_greedy(model, prompt, N)
+    target = GraphedTarget(model, layers, max_len=len(prompt) + N + 8, block_size=B)
+    draft = Recording(GraphedDraft(drafter_model, target, max_len=len(prompt) + N + 8), prompt + want)
+    out = tree_generate(target, draft, prompt, budget=6, max_new_tokens=N, temperature=0.0, stop_ids=frozenset())
+    target.close()
+    assert out.tokens == want
+    assert {s.accepted for s in out.steps} >= {0, 1, 2, 3}  # paths of every length were committed
+    eager = Target(model, layers)
+    _, feats = eager.forward(prompt + want[:-1], 0, eager.new_cache(), features=True)
+    ref = DFlashDraft(drafter_model, eager)
+    assert len(draft.calls) == len(draft.seen) >= 8
+    for (start, anchor), seen in zip(draft.calls, draft.seen):
+        ref.reset()
+        torch.testing.assert_close(seen, ref.draft(feats[:, :start], anchor, start), atol=1e-4, rtol=1e-4)
+    eager.close()
+
+
+class SecondGuessOracle:
+    """Drafts `sequence` (prompt + the target's continuation) sharply, except that at slot 1 the right token
+    is only the second guess: a chain never gets past slot 1, a tree of a few nodes holds the right path."""
+
+    def __init__(self, sequence: list[int], vocab: int, block_size: int):
+        self.sequence, self.vocab, self.block_size = list(sequence), vocab, block_size
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, context, anchor, start):
+        logits = torch.zeros(self.block_size - 1, self.vocab)
+        for k, right in enumerate(self.sequence[start + 1:start + self.block_size]):
+            logits[k, right] = 20.0
+            if k == 0:
+                logits[0, (right + 1) % self.vocab] = 21.0
+        return logits
+
+
+def test_tree_budgets_on_the_real_target_in_fp32(tmp_path, smollm_dir, smollm_model, smollm_tokenizer):
+    """The real SmolLM2-135M in fp32: tree decoding is plain greedy decoding token for token; a drafter
+    whose right token is its second guess at slot 1 never gets past it as a chain and commits long paths
+    as a tree; `dflash eval --tree-budget 0,4,32` measures three budgets in one run, each lossless, with
+    per-budget numbers, step times, the table and one record per prompt and budget."""
+    from test_eval import chat_ids, export_random, smol_drafter_config, write_prompts
+
+    V, D, L = smollm_model.config.vocab_size, 7, 24
+    ids = chat_ids(smollm_tokenizer, "Describe the water cycle in detail.")
+    stops = stop_token_ids(smollm_tokenizer, smollm_model)
+    target = GraphedTarget(smollm_model, [], max_len=len(ids) + L + 33, block_size=D + 1)
+    base = target_generate(target, ids, max_new_tokens=L, temperature=0.0, stop_ids=stops)
+    kw = dict(max_new_tokens=L, temperature=0.0, stop_ids=stops)
+    oracle = SecondGuessOracle(ids + base.tokens, V, D + 1)
+    chain = speculative_generate(target, oracle, ids, **kw)
+    tree = tree_generate(target, oracle, ids, budget=32, **kw)
+    target.close()
+    assert tree.tokens == chain.tokens == base.tokens and len(base.tokens) == L
+    assert {s.accepted for s in chain.steps} == {0}
+    assert sum(s.committed for s in tree.steps) / len(tree.steps) > 4  # 8 per round but the last
+
+    rec = tmp_path / "records.jsonl"
+    cfg = EvalConfig(drafter=export_random(smol_drafter_config(), tmp_path / "drafter"), target=str(smollm_dir),
+                     prompts=[write_prompts(tmp_path / "p.jsonl")], num_prompts=2, max_new_tokens=8,
+                     tree_budget=[0, 4, 32], records=str(rec))
+    report = run_eval(cfg)
+    assert report["lossless"] is True and report["tie_divergences"] == [] and report["tree_budget"] == 0
+    assert list(report["per_budget"]) == ["0", "4", "32"] and report["per_budget"]["0"]["tau"] == report["tau"]
+    for b, r in report["per_budget"].items():
+        assert r["lossless"] is True and r["num_mismatches"] == 0 and r["tau"] >= 1 and r["speedup"] > 0
+        assert r["step_ms"]["target_verify"] > 0 and r["step_ms"]["target_decode"] > 0
+        assert (r["step_ms"]["tree_build"] is None) == (b == "0") and r["speedup_from_step_times"] > 0
+    lines = [json.loads(line) for line in rec.read_text().splitlines()]
+    assert [(x["sample_id"], x["tree_budget"]) for x in lines] == [(0, 0), (0, 4), (0, 32), (1, 0), (1, 4), (1, 32)]
+    assert all(x["tokens"] == x["target_tokens"] for x in lines)
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=160))
+    assert "per tree budget" in out.getvalue() and "lossless" in out.getvalue()
+    json.dumps(report)
+
+
+def test_trees_are_refused_in_one_line_where_they_cannot_run(monkeypatch):
+    """Hybrid (linear-attention) targets and targets without the static-cache path refuse a tree budget
+    before decoding, in one line; the chain still runs there. The option's mistakes are one line too."""
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.eval import run
+
+    quiet = LiveLine(enabled=False)
+    hybrid = tiny_causal_lm("qwen3")
+    hybrid.config.layer_types = ["linear_attention", "full_attention", "full_attention"]
+    cfg = EvalConfig(drafter="unused", max_new_tokens=8, tree_budget=[0, 8])
+    with pytest.raises(DFlashError, match=r"layer 0 \('linear_attention'\) is linear attention.*tree budget 0"):
+        make_participants(hybrid, tiny_drafter([0, 1]), [(0, [1, 2, 3])], cfg, quiet)
+    dynamic = tiny_causal_lm("llama")
+    dynamic.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(DFlashError, match="--tree-budget 8: .*dynamic RoPE scaling.*--tree-budget 0") as e:
+        make_participants(dynamic, tiny_drafter([0, 1]), [(0, [1, 2, 3])], cfg, quiet)
+    assert "\n" not in str(e.value)
+    target, _ = make_participants(dynamic, tiny_drafter([0, 1]), [(0, [1, 2, 3])],
+                                  EvalConfig(drafter="unused", max_new_tokens=8), quiet)
+    assert type(target) is Target
+    with pytest.raises(DFlashError, match="static-cache decoding path only"):
+        evaluate(target, CallableDraft(lambda a, s: torch.zeros(3, 96), 4), [(0, [1, 2, 3])], max_new_tokens=6,
+                 temperature=0.0, stop_ids=frozenset(), budgets=(0, 4))
+    target.close()
+
+    seen = []
+    monkeypatch.setattr(run, "run_eval", lambda cfg, progress=None: seen.append(cfg) or {})
+    res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--tree-budget", "0,16,64"])
+    assert res.exit_code == 0 and seen[-1].tree_budget == [0, 16, 64]
+    assert CliRunner().invoke(app, ["eval", "--drafter", "d"]).exit_code == 0 and seen[-1].tree_budget == [0]
+    for bad, why in (("16,16", "distinct budgets >= 0"), ("-4", "distinct budgets >= 0"), ("x", "comma-separated")):
+        res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--tree-budget", bad])
+        assert res.exit_code == 2 and why in res.stderr and res.stderr.count("\n") == 1, bad

@@ -12,8 +12,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_pipeline"
 # other (what both need lives in method.py, launch.py, schemas/ or store/); eval/ may use both.
 # generate/ comes before extraction: it uses extract's readers and eval's target helpers, and nothing
 # but the CLI imports it (extract reads its output through schemas/generate.py). The shared modules
-# below them import none of the stages.
+# below them import none of the stages. decoding/ builds on train/'s drafter model and serves eval/,
+# generate/ and train/'s held-out tree estimate, so it must not reach up into eval/ or generate/.
 FORBIDDEN = {
+    "decoding": {"eval", "generate"},
     "extract": {"train", "eval", "generate"},
     "train": {"extract", "eval", "generate"},
     "eval": {"generate"},

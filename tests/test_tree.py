@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.tree import (
-    Tree, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, kept_slots, reference_depths,
-    slot_topk, target_choices, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
+    Tree, accept_paths, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, kept_slots, reference_depths,
+    slot_topk, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
 )
+from dflash_pipeline.decoding.sampling import choose
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.models import Target
 from dflash_pipeline.eval.speculative import greedy_accept, target_generate
@@ -305,7 +306,7 @@ def tree_generate(model, draft, prompt, *, depth: int, budget: int, max_new_toke
     V = model.config.vocab_size
     cache = DynamicCache(config=model.config)
     logits = _forward(model, prompt, list(range(len(prompt))), cache)
-    tokens = [int(target_choices(logits[-1:], temperature, generator)[0])]
+    tokens = [int(choose(logits[-1:], temperature, generator)[0])]
     start, accepted = len(prompt), []
     while len(tokens) < max_new_tokens:
         d = min(depth, max_new_tokens - len(tokens) - 1)  # never commit past max_new_tokens
@@ -314,7 +315,7 @@ def tree_generate(model, draft, prompt, *, depth: int, budget: int, max_new_toke
         tree = build_tree(lp, ids, budget)
         mask = tree_attention_mask(tree, start, dtype=torch.float32)
         logits = _forward(model, tree.input_ids(anchor), tree.positions(start), cache, mask)
-        path, token = walk(tree, target_choices(logits, temperature, generator))
+        path, token = walk(tree, choose(logits, temperature, generator))
         compact_cache(cache, kept_slots(start, path))
         tokens += tree.tokens_N[path].tolist() + [token]
         start += len(path) + 1
@@ -492,3 +493,138 @@ def test_estimate_chunks_anchors_without_changing_the_answer(monkeypatch):
     whole = reference_depths(lp, ids, ref, 16)
     monkeypatch.setattr(tree_mod, "_CHUNK_ELEMENTS", 100)  # a few anchors per chunk
     assert torch.equal(reference_depths(lp, ids, ref, 16), whole)
+
+
+# ---------------------------------------------------------------- batched, without host reads (eval's round)
+
+
+def test_batched_verify_inputs_and_walks_equal_one_tree_at_a_time():
+    """What eval's round builds on the device for a batch of trees (some with padding nodes: slots of -inf,
+    as a depth-limited round has) equals each tree's own mask, ids and positions, and `accept_paths`
+    equals `walk` tree by tree, for choices that often follow the tree."""
+    A, D, V, N = 6, 4, 9, 12
+    g = torch.Generator().manual_seed(20)
+    lp, ids = slot_topk(torch.randn(A, D, V, generator=g) * 1.5, N)
+    lp[1, 1:] = -math.inf   # depth 1 only: 9 nodes, 3 padding
+    lp[2, :] = -math.inf    # nothing to draft: every node is padding
+    lp[3, 2:, 2:] = -math.inf
+    trees = build_trees(lp, ids, N)
+    anchors = torch.randint(0, V, (A,), generator=g)
+    ids_AS, offsets_AS, mask_ASS = trees.verify_inputs(anchors, D)
+    assert ids_AS.shape == offsets_AS.shape == (A, N + 1) and mask_ASS.shape == (A, N + 1, N + 1)
+    assert int(trees.num_nodes_A[1]) == V and int(trees.num_nodes_A[2]) == 0
+    for a in range(A):
+        tree, n = trees.tree(a), int(trees.num_nodes_A[a])
+        assert torch.equal(mask_ASS[a, :n + 1, :n + 1], tree.ancestor_mask())
+        assert ids_AS[a, :n + 1].tolist() == tree.input_ids(int(anchors[a])).tolist()
+        assert offsets_AS[a, :n + 1].tolist() == tree.positions(0).tolist()
+        for s in range(n + 1, N + 1):  # padding: token 0 at the anchor's position, sees the anchor and itself
+            assert set(mask_ASS[a, s].nonzero()[:, 0].tolist()) == {0, s}
+            assert (int(ids_AS[a, s]), int(offsets_AS[a, s])) == (0, 0)
+        assert not mask_ASS[a, :n + 1, n + 1:].any()  # no real slot sees padding
+    for trial in range(30):
+        # Each slot's choice: a child's token (of the anchor or the node) with probability 0.7, else random.
+        choice = torch.randint(0, V, (A, N + 1), generator=g)
+        for a in range(A):
+            for i in range(int(trees.num_nodes_A[a])):
+                if float(torch.rand(1, generator=g)) < 0.7:
+                    choice[a, int(trees.parents_AN[a, i]) + 1] = trees.tokens_AN[a, i]
+        n_A, token_A, path_AD = accept_paths(trees, choice, D)
+        for a in range(A):
+            tree, n = trees.tree(a), int(trees.num_nodes_A[a])
+            path, token = walk(tree, choice[a, :n + 1])
+            assert int(n_A[a]) == len(path) and int(token_A[a]) == token, (trial, a)
+            assert path_AD[a, :len(path)].tolist() == path.tolist()
+            assert (path_AD[a, len(path):] == -1).all()
+
+
+# ---------------------------------------------------------------- through training's held-out estimate
+
+
+def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tmp_path):
+    """tau_tree_N of `heldout_estimate` (top-K from the loss pass, anchors in chunks, trees batched) equals
+    decoding each held-out sequence anchor by anchor with eval's pieces: the drafter's decoding step on
+    the context before the anchor, full-vocabulary slot log-probs (slots without a label: no node, as the
+    estimate defines it), `build_tree`, `walk` with the reference as the target's choice; budget 0 is
+    `tau_chain`."""
+    from dflash_pipeline.method import block_input_ids
+    from dflash_pipeline.store.reader import StoreReader
+    from dflash_pipeline.train.blocks import anchor_candidates
+    from dflash_pipeline.train.from_store import frozen_tensors
+    from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
+    from dflash_pipeline.train.metrics import render_eval_line
+    from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+    from helpers import write_random_store
+
+    V, B = 100, 5
+    write_random_store(str(tmp_path / "store"), segments=2, samples_per_segment=3, vocab=V, seed=3)
+    reader = StoreReader(str(tmp_path / "store"))
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=[1, 3, 5],
+                        num_target_layers=8)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.3, generator=torch.Generator().manual_seed(4))
+    model.eval()
+    frozen = frozen_tensors(reader, torch.device("cpu"), torch.float32)
+    budgets = (0, 4, 16, 150)  # 150 > V: K = V
+    held = HeldoutSet(reader=reader, rows=np.arange(reader.num_samples), frozen=frozen, drafter=cfg, gamma=4.0,
+                      max_anchors=7, loss_chunk=64, device=torch.device("cpu"), autocast=False, tree_budgets=budgets)
+    res = heldout_estimate(model, held)
+
+    sums, deepest = {b: [0, 0] for b in budgets}, 0
+    for row in range(reader.num_samples):
+        s = reader.read_sample(row, layers=cfg.target_layer_ids)
+        tokens, mask = torch.from_numpy(s.tokens_T.astype(np.int64)), torch.from_numpy(s.loss_mask_T)
+        T, feats = len(tokens), s.hidden_TLH.reshape(1, len(tokens), -1)
+        cands = anchor_candidates(mask, torch.zeros(T, dtype=torch.long))
+        accepted = {b: np.full(T, -1) for b in budgets}
+        for p in cands.nonzero()[:, 0].tolist():
+            emb = frozen.embed_VH[block_input_ids(tokens[p:p + 1], B, cfg.mask_token_id)]
+            with torch.no_grad():
+                hidden = model.draft_step(feats[:, :p], torch.arange(p), emb, p + torch.arange(B), model.new_cache())
+            lp, ids = slot_topk(hidden[0, 1:] @ frozen.head_VH.T, V)
+            ref = torch.tensor([int(tokens[q]) if q < T and mask[q] else -1 for q in range(p + 1, p + B)])
+            lp[ref < 0] = -math.inf
+            for b in budgets:
+                tree = build_tree(lp, ids, b)
+                choice = torch.cat([ref, torch.tensor([-1])])[torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                         tree.depths_N])]
+                accepted[b][p] = len(walk(tree, choice)[0])
+        deepest = max(deepest, int(accepted[150].max()))
+        for b in budgets:
+            rounds, committed = walk_sequence(accepted[b], cands.numpy())
+            sums[b][0] += rounds
+            sums[b][1] += committed
+    for b in budgets:
+        assert res[f"tau_tree_{b}"] == sums[b][1] / sums[b][0], b
+    assert res["tau_tree_0"] == res["tau_chain"]
+    assert res["tau_tree_0"] < res["tau_tree_16"] <= res["tau_tree_150"]
+    assert deepest >= 2  # trees accepted more than one draft somewhere
+    assert f"{res['tau_tree_16']:.2f} @ 16" in render_eval_line({**res, "step": 1})
+    none = heldout_estimate(model, HeldoutSet(**{**held.__dict__, "tree_budgets": ()}))
+    assert not any(k.startswith("tau_tree") for k in none) and none["tau_chain"] == res["tau_chain"]
+    assert none["acc_per_pos"] == res["acc_per_pos"] and none["loss"] == res["loss"]
+
+
+def test_eval_tree_budget_option():
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.schemas.config import TrainConfig
+    from dflash_pipeline.train import trainer
+
+    assert TrainConfig(store="s", out="o").output.eval_tree_budget == [16, 64]
+    with pytest.raises(ValueError, match="distinct budgets >= 0"):
+        TrainConfig(store="s", out="o", eval_tree_budget=[16, 16])
+    seen = []
+    mp = pytest.MonkeyPatch()
+    mp.setattr(trainer, "run_train", lambda cfg: seen.append(cfg))
+    try:
+        for arg, want in (("4,256", [4, 256]), ("none", []), ("0", [0])):
+            res = CliRunner().invoke(app, ["train", "--store", "s", "--out", "o", "--eval-tree-budget", arg])
+            assert res.exit_code == 0, res.output
+            assert seen[-1].output.eval_tree_budget == want
+        res = CliRunner().invoke(app, ["train", "--store", "s", "--out", "o", "--eval-tree-budget", "-1"])
+        assert res.exit_code == 2 and "distinct budgets >= 0" in res.stderr and "\n" not in res.stderr.strip()
+    finally:
+        mp.undo()

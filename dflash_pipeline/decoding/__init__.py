@@ -7,6 +7,7 @@ check it against plain transformers decoding.
 
 attention.py  our transformers attention function: static K/V buffers per layer, masks from slots,
               RoPE positions and an explicit in-block mask (chains, trees), GQA without repeated K/V
+sampling.py   the target's decoding rule (argmax, or a draw of softmax(logits / T)), used by every decoder
 graphs.py     capture-once/replay steps (eager on the CPU) and per-step timers (CUDA events)
 runner.py     DecodingRunner: rows of independent sequences over one target (prefill a row, step all
               rows, commit or roll back a row's length, compact a tree path, layer features)

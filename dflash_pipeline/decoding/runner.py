@@ -192,10 +192,14 @@ class DecodingRunner:
             raise ValueError(f"row {row}: {self.host_lengths[row]} committed + {q} new tokens exceed the cache's "
                              f"{self.slots} slots (max_len)")
 
-    def compact(self, row: int, src_slots: Sequence[int], dst: int) -> None:
+    def compact(self, row: int, src_slots: Sequence[int] | torch.Tensor, dst: int) -> None:
         """Copy K/V (and positions) of slots `src_slots` to slots dst, dst + 1, ...: an accepted tree path
-        becomes contiguous; commit it afterwards with `set_length`."""
-        src = torch.tensor(list(src_slots), dtype=torch.long).to(self.device)
+        becomes contiguous; commit it afterwards with `set_length`. A device tensor of slots is used as it
+        is (no host synchronisation)."""
+        if isinstance(src_slots, torch.Tensor):
+            src = src_slots.to(self.device, torch.long)
+        else:
+            src = torch.tensor(list(src_slots), dtype=torch.long).to(self.device)
         dst_n = torch.arange(dst, dst + len(src), device=self.device)
         self.kv.copy_slots(row, src, dst_n)
         pos = self.slot_pos_RS[row].index_select(0, src)

@@ -31,17 +31,18 @@ anchor, slot i + 1 is node i) after its cache of `start` committed tokens. Slot 
 own ancestors (the anchor included) and itself only (`Tree.ancestor_mask`), at position start + depth
 (`Tree.positions`): every node sees exactly the context it would have in plain decoding of its path.
 
-Acceptance (`walk`). The target's choice is taken once at every slot: its argmax at T = 0, one token
-drawn from softmax(logits / T) at T > 0. From the anchor, descend to the child whose token equals the
-choice at the current slot while there is one; commit the path's tokens and the choice at the last
-slot reached (the correction where the path leaves the tree, the bonus at a leaf). Greedy, this is
-plain greedy decoding by induction. At T > 0 it keeps the target's distribution exactly: the first
-committed token is the choice at the anchor, a draw from p(. | context); each later one is the draw at
-the node of the prefix committed so far, i.e. from p(. | context, prefix); the draws are independent and
-each is used at most once, so the committed sequence is distributed as the target's own sampling, token
-by token, whatever the tree. For a tree fixed before verification (top-K, not sampled) no exact rule
-can do better: any exact rule commits a token distributed as p at the node, and it can only go on when
-that token is a child, so P(descend at u) <= p_u(children of u), which this rule reaches.
+Acceptance (`walk`). The target's choice is taken once at every slot (`decoding.sampling.choose`): its
+argmax at T = 0, one token drawn from softmax(logits / T) at T > 0. From the anchor, descend to the
+child whose token equals the choice at the current slot while there is one; commit the path's tokens and
+the choice at the last slot reached (the correction where the path leaves the tree, the bonus at a
+leaf). Greedy, this is plain greedy decoding by induction. At T > 0 it keeps the target's distribution
+exactly: the first committed token is the choice at the anchor, a draw from p(. | context); each later
+one is the draw at the node of the prefix committed so far, i.e. from p(. | context, prefix); the draws
+are independent and each is used at most once, so the committed sequence is distributed as the target's
+own sampling, token by token, whatever the tree. For a tree fixed before verification (top-K, not
+sampled) no exact rule can do better: any exact rule commits a token distributed as p at the node, and
+it can only go on when that token is a child, so P(descend at u) <= p_u(children of u), which this rule
+reaches.
 
 Reference walk (the held-out estimate): with the reference continuation as the choice at every depth,
 the accepted depth at anchor p is how much of the reference the tree holds; walking p <- p + depth + 1
@@ -63,7 +64,6 @@ import numpy as np
 import torch
 
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.eval.speculative import probs_from_logits, sample
 
 # ---------------------------------------------------------------- the tree
 
@@ -92,15 +92,7 @@ class Tree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """Bool [S, S]: slot s may attend to slot t iff t is s itself or one of its ancestors."""
-        S = self.size + 1
-        parent_S = torch.cat([self.parents_N.new_zeros(1), self.parents_N + 1])  # the anchor is its own parent
-        mask = torch.zeros(S, S, dtype=torch.bool, device=self.tokens_N.device)
-        rows = torch.arange(S, device=mask.device)
-        cur = rows.clone()
-        for _ in range(int(self.depths_N.max()) + 1 if self.size else 1):
-            mask[rows, cur] = True
-            cur = parent_S[cur]
-        return mask
+        return _ancestor_mask(self.parents_N[None], int(self.depths_N.max()) if self.size else 0)[0]
 
 
 @dataclass
@@ -119,15 +111,28 @@ class Trees:
         return Tree(self.tokens_AN[a, :n], self.parents_AN[a, :n], self.depths_AN[a, :n], self.ranks_AN[a, :n],
                     self.scores_AN[a, :n])
 
-    def accepted(self, match_AN: torch.Tensor) -> torch.Tensor:
+    def accepted(self, match_AN: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """Bool [A, N]: the node and all its ancestors match (match_AN: the node's token is the choice at its
-        parent). Each round of 'and my parent' reaches one level further up: max depth - 1 rounds settle all."""
+        parent). Each round of 'and my parent' reaches one level further up: max depth - 1 rounds settle all.
+        `depth`: a bound on the trees' depth known on the host (no device read)."""
         ok = match_AN & (self.depths_AN > 0)
         has_parent = self.parents_AN >= 0
         parent = self.parents_AN.clamp_min(0)
-        for _ in range(max(int(self.depths_AN.max()) - 1, 0) if ok.numel() else 0):
+        if depth is None:
+            depth = int(self.depths_AN.max()) if ok.numel() else 0
+        for _ in range(max(depth - 1, 0) if ok.numel() else 0):
             ok = ok & (~has_parent | ok.gather(1, parent))
         return ok
+
+    def verify_inputs(self, anchor_A: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token ids [A, S], position offsets [A, S], ancestor mask [A, S, S]) of the verify step: slot 0
+        the anchor at offset 0, slot i + 1 node i at offset = its depth, seeing itself and its ancestors.
+        Padding nodes (i >= num_nodes) read token 0 at offset 0 and see the anchor and themselves: their
+        logits are never read (their token, -1, matches no choice). `depth` bounds the trees' depth (no
+        device read: a decoding round stays free of host synchronisation)."""
+        ids_AS = torch.cat([anchor_A[:, None], self.tokens_AN.clamp_min(0)], dim=1)
+        offsets_AS = torch.cat([self.depths_AN.new_zeros(len(anchor_A), 1), self.depths_AN], dim=1)
+        return ids_AS, offsets_AS, _ancestor_mask(self.parents_AN, depth)
 
     def reference_depth(self, reference_AD: torch.Tensor) -> torch.Tensor:
         """[A] how deep each tree holds the reference continuation (reference_AD[a, k]: the token for
@@ -140,6 +145,21 @@ class Trees:
             return torch.zeros(match.shape[0], dtype=torch.long, device=match.device)
         # Siblings hold distinct tokens, so the accepted nodes form one path: its length is the deepest.
         return torch.where(self.accepted(match), self.depths_AN, 0).amax(-1)
+
+
+def _ancestor_mask(parents_AN: torch.Tensor, depth: int) -> torch.Tensor:
+    """Bool [A, S, S] (S = N + 1): slot s sees slot t iff t is s or one of its ancestors, the anchor (slot 0)
+    included; a node without a parent (-1: depth 1, or padding) hangs off the anchor. depth + 1 rounds of
+    'mark, then step to the parent' reach the anchor from depth `depth`."""
+    A, N = parents_AN.shape
+    S = N + 1
+    parent_AS = torch.cat([parents_AN.new_zeros(A, 1), parents_AN.clamp_min(-1) + 1], dim=1)  # the anchor: itself
+    mask = torch.zeros(A, S, S, dtype=torch.bool, device=parents_AN.device)
+    cur = torch.arange(S, device=parents_AN.device).expand(A, S).contiguous()
+    for _ in range(depth + 1):
+        mask.scatter_(2, cur[..., None], True)
+        cur = parent_AS.gather(1, cur)
+    return mask
 
 
 def slot_topk(logits_xV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,29 +262,33 @@ def build_tree(logprobs_DK: torch.Tensor, ids_DK: torch.Tensor, budget: int) -> 
 # ---------------------------------------------------------------- acceptance
 
 
-def target_choices(logits_SV: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """[S] the target's own choice at every verified slot: argmax at T = 0, else one independent draw
-    from softmax(logits / T) per slot (see the module docstring for why drawing at every slot is exact)."""
-    if temperature == 0:
-        return logits_SV.argmax(-1)
-    return sample(probs_from_logits(logits_SV, temperature), generator)
+def accept_paths(trees: Trees, choice_AS: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(accepted drafts n [A], token to commit after them [A], path [A, depth]: the accepted node at depth
+    1..n, -1 beyond) of following the target's choice (choice_AS: one per verified slot) down each tree.
+    The commit is the choice at the last slot reached: the correction where the path leaves the tree, the
+    bonus at a leaf. `depth` bounds the trees' depth; nothing is read back to the host."""
+    A, N = trees.tokens_AN.shape
+    dev = choice_AS.device
+    path = torch.full((A, depth + 1), -1, dtype=torch.long, device=dev)  # the last column takes the rest
+    if N == 0:
+        return torch.zeros(A, dtype=torch.long, device=dev), choice_AS[:, 0], path[:, :depth]
+    match = trees.tokens_AN == choice_AS.gather(1, trees.parents_AN.clamp_min(-1) + 1)
+    ok = trees.accepted(match, depth)
+    n = torch.where(ok, trees.depths_AN, 0).amax(1)
+    # Siblings hold distinct tokens, so the accepted nodes form one path: one node per depth.
+    col = torch.where(ok, trees.depths_AN - 1, depth).clamp_max(depth)
+    path.scatter_(1, col, torch.arange(N, device=dev).expand(A, N).contiguous())
+    path = path[:, :depth]
+    last_slot = torch.where(n > 0, path.gather(1, (n - 1).clamp_min(0)[:, None])[:, 0] + 1, 0)
+    return n, choice_AS.gather(1, last_slot[:, None])[:, 0], path
 
 
 def walk(tree: Tree, choice_S: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(accepted nodes [n] from the anchor down, token to commit after them): follow the target's choice
-    down the tree; the commit is the choice at the last slot reached (correction or bonus)."""
-    parent_slot = tree.parents_N + 1
-    match = tree.tokens_N == choice_S[parent_slot]
+    """(accepted nodes [n] from the anchor down, token to commit after them) of one tree (`accept_paths`)."""
     trees = Trees(tree.tokens_N[None], tree.parents_N[None], tree.depths_N[None], tree.ranks_N[None],
                   tree.scores_N[None], torch.tensor([tree.size]))
-    ok = trees.accepted(match[None])[0]
-    if not bool(ok.any()):
-        return tree.tokens_N.new_zeros(0), int(choice_S[0])
-    deepest = int(torch.where(ok, tree.depths_N, 0).argmax())
-    path = [deepest]
-    while int(tree.parents_N[path[-1]]) >= 0:
-        path.append(int(tree.parents_N[path[-1]]))
-    return torch.tensor(path[::-1], dtype=torch.long, device=tree.tokens_N.device), int(choice_S[deepest + 1])
+    n, token, path = accept_paths(trees, choice_S[None], int(tree.depths_N.max()) if tree.size else 0)
+    return path[0, :int(n[0])], int(token[0])
 
 
 # ---------------------------------------------------------------- along a held-out sequence
@@ -401,7 +425,7 @@ def compact_cache(cache, keep: torch.Tensor) -> None:
 
 
 __all__ = [
-    "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "target_choices", "walk",
+    "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "accept_paths", "walk",
     "walk_sequence", "reference_depths", "tree_estimate", "tree_attention_mask", "kept_slots", "check_tree_target",
     "check_tree_cache", "compact_cache",
 ]

@@ -11,6 +11,12 @@ committed last round (at most B positions, a view of the verify step's feature b
 the drafter's padded input, and one graph launch drafts the block. A prompt longer than B is appended
 eagerly first.
 
+Tree verification (eval/tree_decoding.py) runs on `GraphedTarget` only: `verify_tree` is one graph launch
+of q = N + 1 (the anchor and a budget-N tree) with the tree's depths as RoPE offsets and its ancestor
+mask as the in-block mask, and `compact_path` moves the accepted path's keys and values to contiguous
+slots on the device. A verify shape that a tree used gets its chain defaults (consecutive offsets,
+causal mask) back before a chain block of the same length uses it.
+
 Both keep their outputs in static buffers: the logits and features they return are views that stay
 valid until the same step runs again, which is all the decoding loops need.
 """
@@ -22,7 +28,7 @@ from typing import Sequence
 import torch
 
 from dflash_pipeline.decoding.drafter import StaticDrafter
-from dflash_pipeline.decoding.runner import DecodingRunner
+from dflash_pipeline.decoding.runner import DecodingRunner, StepIO
 from dflash_pipeline.eval.models import DFlashDraft, Target
 from dflash_pipeline.train.model import DFlashDrafter
 
@@ -35,6 +41,7 @@ class GraphedTarget(Target):
         self.block_size = block_size
         self.runner = DecodingRunner(model, rows=1, max_len=max_len, layer_ids=self.layer_ids, graphs=graphs,
                                      compile=compile)
+        self._tree_shapes: set[int] = set()  # verify shapes whose offsets and mask a tree overwrote
 
     def close(self) -> None:
         self.runner.close()
@@ -58,11 +65,36 @@ class GraphedTarget(Target):
         if k > q:
             raise ValueError(f"a block of {k} tokens is longer than the verify step ({q})")
         io = self.runner.inputs(q)
+        if q in self._tree_shapes:  # a chain block after a tree of the same size: consecutive and causal again
+            io.offsets_Rq[0].copy_(torch.arange(q, device=io.offsets_Rq.device))
+            io.block_mask_Rqq[0].copy_(torch.ones(q, q, dtype=torch.bool, device=io.block_mask_Rqq.device).tril())
+            self._tree_shapes.discard(q)
         io.ids_Rq[0, :k].copy_(ids)
         self.runner.step(q)
         logits = io.logits_RqV[0, :k]
         feats = io.features_RqF[:, :k] if features and io.features_RqF is not None else None
         return (logits[-1:] if last_only else logits), feats
+
+    def verify_tree(self, ids_S: torch.Tensor, offsets_S: torch.Tensor, mask_SS: torch.Tensor, start: int) -> StepIO:
+        """One forward of a tree's S slots after the `start` committed tokens (`Trees.verify_inputs`); the
+        step's static buffers (logits, argmax, features of every slot). Commits nothing."""
+        q = ids_S.shape[0]
+        self.runner.set_length(0, start)
+        io = self.runner.inputs(q)
+        io.ids_Rq[0].copy_(ids_S)
+        io.offsets_Rq[0].copy_(offsets_S)
+        io.block_mask_Rqq[0].copy_(mask_SS)
+        self._tree_shapes.add(q)
+        self.runner.step(q)
+        return io
+
+    def compact_path(self, start: int, path_D: torch.Tensor) -> None:
+        """Make the accepted path contiguous after the anchor (slot `start`): node path_D[j], verified at
+        slot start + 1 + path_D[j], moves to slot start + 1 + j; commit with `crop` afterwards. Runs on
+        the device from path_D as it is (-1 past the accepted nodes: those slots copy onto themselves,
+        beyond what is committed)."""
+        dst_D = torch.arange(start + 1, start + 1 + path_D.shape[0], device=path_D.device)
+        self.runner.compact(0, torch.where(path_D >= 0, start + 1 + path_D, dst_D), start + 1)
 
 
 class GraphedDraft(DFlashDraft):

@@ -13,10 +13,16 @@ Losslessness at T = 0 follows eval/lossless.py, whose rule the report states (`l
 With several prompt files, `per_file` holds the same acceptance and speed numbers for each file's
 prompts; the top level is pooled over all of them.
 
-Step times (median ms of the target's decode step, its verify step and the drafter's step) say where a
-round's time goes; `speedup_from_step_times` = tau * t_decode / (t_verify + t_draft) is the speedup
-those steps allow at the measured tau. The measured speedup falls short of it by whatever else a
-round costs (the host's work between steps, the acceptance transfer).
+Step times (median ms of the target's decode step, its verify step, the drafter's step and, for trees,
+building the tree) say where a round's time goes; `speedup_from_step_times` = tau * t_decode /
+(t_verify + t_draft + t_tree) is the speedup those steps allow at the measured tau. The measured speedup
+falls short of it by whatever else a round costs (the host's work between steps, the acceptance
+transfer).
+
+Tree budgets (`--tree-budget 0,16,64`): every budget decodes the same prompts against the same plain
+decoding. The top level describes the first budget (per_file included); `per_budget` gives each
+budget's tau, speeds, speedup and step times (the verify step of a budget-N tree is q = N + 1 tokens);
+losslessness at the top level covers every budget, and each divergence names its budget.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class PromptResult:
     spec: Generation                    # speculative decoding
     target: Generation                  # the target alone
     check: LosslessCheck | None = None  # T = 0: where spec left the target's greedy output, if it did
+    budget: int = 0                     # the tree budget of the speculative run (0: the chain)
 
 
 def acceptance(results: list[PromptResult], block_size: int) -> dict[str, Any]:
@@ -71,24 +78,32 @@ def acceptance(results: list[PromptResult], block_size: int) -> dict[str, Any]:
 
 def divergence_dict(r: PromptResult, d: Divergence) -> dict[str, Any]:
     """A divergence as the report lists it: which prompt (file, row, turn), where, and the margin."""
-    return {"file": r.prompt.file, "turn": r.prompt.turn, **d.to_dict()}
+    return {"file": r.prompt.file, "turn": r.prompt.turn, "tree_budget": r.budget, **d.to_dict()}
 
 
-def summarize(results: list[PromptResult], *, block_size: int, temperature: float,
-              dtype: torch.dtype) -> dict[str, Any]:
-    """The report dict. Losslessness is judged when every result carries its check (T = 0)."""
+def losslessness(results: list[PromptResult], *, temperature: float, dtype: torch.dtype) -> dict[str, Any]:
+    """The lossless verdict of `results`, judged when every result carries its check (T = 0)."""
     checked = temperature == 0 and bool(results) and all(r.check is not None for r in results)
     failed = [r for r in results if checked and r.check.failure is not None]
     ties = [divergence_dict(r, d) for r in results if checked for d in r.check.ties]
-    report = {
-        **acceptance(results, block_size),
+    return {
         "lossless": (not failed) if checked else None,
         "lossless_rule": rule_text(dtype) if checked else None,
-        "dtype": str(dtype).removeprefix("torch."),
         "mismatches": [r.prompt.sample_id for r in failed],
         "mismatch_details": [divergence_dict(r, r.check.failure) for r in failed],
         "num_tie_divergences": len(ties),
         "tie_divergences": ties,
+    }
+
+
+def summarize(results: list[PromptResult], *, block_size: int, temperature: float,
+              dtype: torch.dtype) -> dict[str, Any]:
+    """The report dict of one speculative run (one budget) over `results`."""
+    checked = temperature == 0 and bool(results) and all(r.check is not None for r in results)
+    report = {
+        **acceptance(results, block_size),
+        **losslessness(results, temperature=temperature, dtype=dtype),
+        "dtype": str(dtype).removeprefix("torch."),
         "block_size": block_size,
         "temperature": temperature,
     }
@@ -105,11 +120,31 @@ def summarize(results: list[PromptResult], *, block_size: int, temperature: floa
     return report
 
 
+# What `per_budget` keeps of each budget's report.
+BUDGET_KEYS = ("tau", "tau_per_prompt_mean", "steps", "generated_tokens", "tok_s_spec", "tok_s_target", "speedup",
+               "step_ms", "speedup_from_step_times", "accept_hist", "accept_rate_per_position", "lossless")
+
+
+def sweep_report(reports: dict[int, dict[str, Any]], results: list[PromptResult], *, temperature: float,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """One report from each budget's (`reports`, in the order given; `results`: every budget's): the first
+    budget's at the top level, each budget's numbers in `per_budget`, losslessness over all of them."""
+    budgets = list(reports)
+    report = dict(reports[budgets[0]])
+    report["tree_budget"] = budgets[0]
+    report["per_budget"] = {str(b): {**{k: r.get(k) for k in BUDGET_KEYS},
+                                     "num_mismatches": len(r["mismatches"]),
+                                     "num_tie_divergences": r["num_tie_divergences"]} for b, r in reports.items()}
+    if len(budgets) > 1:
+        report.update(losslessness(results, temperature=temperature, dtype=dtype))
+    return report
+
+
 def prompt_record(r: PromptResult) -> dict[str, Any]:
-    """One prompt's outcome, tokens included: a line of `--records`."""
+    """One prompt's outcome at one tree budget, tokens included: a line of `--records`."""
     steps = r.spec.steps
     return {
-        "file": r.prompt.file, "sample_id": r.prompt.sample_id, "turn": r.prompt.turn,
+        "file": r.prompt.file, "sample_id": r.prompt.sample_id, "turn": r.prompt.turn, "tree_budget": r.budget,
         "prompt_tokens": len(r.prompt.ids),
         "tau": sum(s.committed for s in steps) / len(steps) if steps else None,
         "committed_per_step": [s.committed for s in steps],
@@ -122,11 +157,12 @@ def prompt_record(r: PromptResult) -> dict[str, Any]:
 
 def add_step_times(report: dict[str, Any], step_ms: dict[str, float], clock: str) -> None:
     """Put the median step times (ms) and the speedup they imply at the report's tau into `report`."""
-    report["step_ms"] = {k: step_ms.get(k) for k in ("target_decode", "target_verify", "drafter")}
+    report["step_ms"] = {k: step_ms.get(k) for k in ("target_decode", "target_verify", "drafter", "tree_build")}
     report["step_ms_clock"] = clock
-    d, v, a = (report["step_ms"][k] for k in ("target_decode", "target_verify", "drafter"))
+    d, v, a, t = (report["step_ms"][k] for k in ("target_decode", "target_verify", "drafter", "tree_build"))
     tau = report.get("tau")
-    report["speedup_from_step_times"] = tau * d / (v + a) if None not in (tau, d, v, a) and v + a > 0 else None
+    round_ms = None if None in (v, a) else v + a + (t or 0.0)
+    report["speedup_from_step_times"] = tau * d / round_ms if None not in (tau, d, round_ms) and round_ms > 0 else None
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -141,7 +177,10 @@ def summary_line(report: dict[str, Any]) -> str:
              False: f"NOT LOSSLESS: {len(report['mismatches'])} of {report['prompts']} prompts differ from the "
                     f"target's greedy output at a clear margin (prompt ids {report['mismatches'][:10]})" + tie_note,
              None: f"losslessness not checked at temperature {report['temperature']}"}[lossless]
-    return (f"tau {_fmt(report['tau'])} (block {report['block_size']}), speedup {_fmt(report['speedup'])}x "
+    tree = f", tree budget {report['tree_budget']}" if report.get("tree_budget") else ""
+    sweep = (f" (budget {report.get('tree_budget', 0)}; {len(report['per_budget'])} budgets checked)"
+             if len(report.get("per_budget", {})) > 1 else "")
+    return (f"tau {_fmt(report['tau'])} (block {report['block_size']}{tree}), speedup {_fmt(report['speedup'])}x{sweep} "
             f"({_fmt(report['tok_s_spec'], '.1f')} vs {_fmt(report['tok_s_target'], '.1f')} tok/s) over "
             f"{report['prompts']} prompts, {report['generated_tokens']} tokens; {check}")
 
@@ -171,10 +210,13 @@ def render_report(report: dict[str, Any], console) -> None:
     head.add_row("tok/s with drafter", _fmt(report["tok_s_spec"], ".1f"))
     head.add_row("tok/s target alone", _fmt(report["tok_s_target"], ".1f"))
     head.add_row("speedup", f"{_fmt(report['speedup'])}x")
+    if report.get("tree_budget"):
+        head.add_row("tree budget (nodes verified per step)", str(report["tree_budget"]))
     if "step_ms" in report:
         ms = report["step_ms"]
-        head.add_row("step ms: target decode / verify / drafter",
-                     " / ".join(_fmt(ms[k], ".3f") for k in ("target_decode", "target_verify", "drafter")))
+        kinds = ("target_decode", "target_verify", "drafter") + (("tree_build",) if ms.get("tree_build") else ())
+        head.add_row("step ms: target decode / verify / drafter" + (" / tree" if len(kinds) > 3 else ""),
+                     " / ".join(_fmt(ms[k], ".3f") for k in kinds))
         head.add_row("speedup from step times", f"{_fmt(report['speedup_from_step_times'])}x")
     head.add_row("block size / temperature / dtype",
                  f"{report['block_size']} / {report['temperature']:g} / {report['dtype']}")
@@ -183,6 +225,8 @@ def render_report(report: dict[str, Any], console) -> None:
     console.print(head)
     if len(report.get("per_file", {})) > 1:
         console.print(_per_file_table(report))
+    if len(report.get("per_budget", {})) > 1:
+        console.print(_per_budget_table(report))
     console.print(_acceptance_table(report))
 
     for d in report["mismatch_details"][:10]:
@@ -212,6 +256,24 @@ def _per_file_table(report: dict[str, Any]):
     return t
 
 
+def _per_budget_table(report: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table(title="per tree budget (0: the chain; verify step of budget N: N + 1 tokens)")
+    for name in ("budget", "tau", "tok/s with drafter", "speedup", "verify ms", "tree ms", "from step times",
+                 "lossless"):
+        t.add_column(name, justify="right")
+    for b, r in report["per_budget"].items():
+        check = {True: "yes", False: f"NO ({r['num_mismatches']})", None: "-"}[r["lossless"]]
+        if r["num_tie_divergences"]:
+            check += f", {r['num_tie_divergences']} ties"
+        ms = r["step_ms"] or {}
+        t.add_row(b, _fmt(r["tau"]), _fmt(r["tok_s_spec"], ".1f"), f"{_fmt(r['speedup'])}x",
+                  _fmt(ms.get("target_verify"), ".3f"), _fmt(ms.get("tree_build"), ".3f"),
+                  f"{_fmt(r['speedup_from_step_times'])}x", check)
+    return t
+
+
 def _acceptance_table(report: dict[str, Any]):
     from rich.table import Table
 
@@ -230,5 +292,5 @@ def _acceptance_table(report: dict[str, Any]):
     return acc
 
 
-__all__ = ["PromptResult", "acceptance", "summarize", "prompt_record", "divergence_dict", "add_step_times",
-           "render_report", "summary_line", "divergence_line"]
+__all__ = ["PromptResult", "acceptance", "losslessness", "summarize", "sweep_report", "prompt_record", "divergence_dict",
+           "add_step_times", "render_report", "summary_line", "divergence_line"]

@@ -5,7 +5,12 @@ cache, the same stopping rules) and with the drafter. The two runs give the spee
 temperature 0 the target's greedy output is the reference the speculative output is judged against
 by the rule of eval/lossless.py: token for token in fp32; in bf16/fp16 a divergence where the
 target's top two logits are within rounding of each other is a counted tie, one at a clear margin a
-failure. `decode_prompt` is all of that for one prompt (a tree-decoding variant sits beside it).
+failure. `decode_prompt` is all of that for one prompt.
+
+Tree verification (`tree_budget`, eval/tree_decoding.py): each budget in the list decodes every prompt
+with the drafter once more, against the same plain decoding, and is checked by the same rule; budget 0
+is the chain. The report describes the first budget at its top level and every budget in `per_budget`
+(tau, speeds, speedup, step times), so one run sweeps the budgets a user chooses between.
 
 Prompts come from one or several files (eval/prompts.py) and are divided over one process per
 visible GPU (launch.py, as extract and train do; `gpus`), round robin by their index in the run, so
@@ -25,19 +30,24 @@ speedup they imply at the measured tau.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from dflash_pipeline.decoding.tree import check_tree_target
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.lossless import check_greedy, teacher_forcing
 from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
 from dflash_pipeline.eval.prompts import Prompt, as_prompt, load_prompts
-from dflash_pipeline.eval.report import PromptResult, add_step_times, prompt_record, summarize
-from dflash_pipeline.eval.speculative import Drafter, TargetLike, speculative_generate, target_generate
+from dflash_pipeline.eval.report import PromptResult, add_step_times, prompt_record, summarize, sweep_report
+from dflash_pipeline.eval.speculative import (
+    Drafter, Generation, TargetLike, speculative_generate, target_generate,
+)
+from dflash_pipeline.eval.tree_decoding import tree_generate
 from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
 from dflash_pipeline.progress import LiveLine
 from dflash_pipeline.schemas.config import check_gpus
@@ -63,6 +73,7 @@ class EvalConfig:
     records: str | None = None             # a JSONL file: one line per prompt, tokens included
     compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
     chat_template_kwargs: dict[str, Any] | str | None = None  # prompts' chat-template variables, as for extract
+    tree_budget: list[int] | int = 0       # nodes per verified tree, one or several (0: the chain)
     json: bool = False                     # print the report as JSON instead of tables
 
     def __post_init__(self):
@@ -86,6 +97,9 @@ class EvalConfig:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"eval: dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         check_gpus(self.gpus)
+        self.tree_budget = [int(self.tree_budget)] if isinstance(self.tree_budget, int) else list(self.tree_budget)
+        if not self.tree_budget or min(self.tree_budget) < 0 or len(set(self.tree_budget)) != len(self.tree_budget):
+            raise ValueError(f"eval: --tree-budget takes distinct budgets >= 0 (0: the chain), got {self.tree_budget}")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -163,67 +177,102 @@ def _target_shape(config) -> tuple[int, int, int]:
 
 # ---------------------------------------------------------------- one prompt, a process's prompts
 
-STEP_KINDS = ("target_decode", "target_verify", "drafter")
+SPEC_STEP_KINDS = ("drafter", "tree_build", "target_verify", "target_decode")
+
+
+def budget_timer(timer, budget: int):
+    """`timer` with the speculative run's step names kept apart per budget ("b16/target_verify")."""
+    if timer is None:
+        return None
+
+    @contextmanager
+    def named(name: str):
+        with timer(f"b{budget}/{name}"):
+            yield
+
+    return named
+
+
+def speculate(target: TargetLike, drafter: Drafter, prompt: Sequence[int], *, budget: int, **kw) -> Generation:
+    """Speculative decoding of one prompt: the chain at budget 0, a budget-N tree per round otherwise."""
+    if budget == 0:
+        return speculative_generate(target, drafter, prompt, **kw)
+    return tree_generate(target, drafter, prompt, budget=budget, **kw)
 
 
 def decode_prompt(target: TargetLike, drafter: Drafter, prompt: Prompt, index: int, *, max_new_tokens: int,
-                  temperature: float, stop_ids: frozenset[int], seed: int = 0, timer=None) -> PromptResult:
-    """One prompt decoded by the target alone and with the drafter, and at T = 0 the lossless check of
-    the speculative output. `index`, the prompt's place in the run, picks its random streams, so the
-    tokens do not depend on which process decodes it."""
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids, timer=timer)
-    base = target_generate(target, prompt.ids, generator=_generator(seed, 2 * index, target.device), **kw)
-    spec = speculative_generate(target, drafter, prompt.ids, generator=_generator(seed, 2 * index + 1, target.device),
-                                **kw)
-    check = None
-    if temperature == 0:
-        check = check_greedy(prompt.sample_id, spec.tokens, base.tokens, base.top1, base.top2, target.dtype,
-                             lambda: teacher_forcing(target, prompt.ids, spec.tokens))
-    return PromptResult(prompt, spec, base, check)
+                  temperature: float, stop_ids: frozenset[int], seed: int = 0, timer=None,
+                  budgets: Sequence[int] = (0,)) -> list[PromptResult]:
+    """One prompt decoded by the target alone, then with the drafter at each tree budget (0: the chain),
+    and at T = 0 the lossless check of each speculative output; one result per budget. `index`, the
+    prompt's place in the run, picks its random streams (every budget's speculative run the same one), so
+    the tokens do not depend on which process decodes it."""
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids)
+    base = target_generate(target, prompt.ids, generator=_generator(seed, 2 * index, target.device), timer=timer, **kw)
+    out = []
+    for budget in budgets:
+        spec = speculate(target, drafter, prompt.ids, budget=budget, timer=budget_timer(timer, budget),
+                         generator=_generator(seed, 2 * index + 1, target.device), **kw)
+        check = None
+        if temperature == 0:
+            check = check_greedy(prompt.sample_id, spec.tokens, base.tokens, base.top1, base.top2, target.dtype,
+                                 lambda: teacher_forcing(target, prompt.ids, spec.tokens))
+        out.append(PromptResult(prompt, spec, base, check, budget))
+    return out
 
 
 def decode_prompts(target: TargetLike, drafter: Drafter, prompts: Sequence[tuple[int, Prompt]], *, max_new_tokens: int,
                    temperature: float, stop_ids: frozenset[int], seed: int = 0, progress: LiveLine | None = None,
-                   warmup: bool = True) -> tuple[list[PromptResult], dict[str, list[float]]]:
-    """`decode_prompt` for each (index, prompt); the results and every step time (ms) by step kind."""
+                   warmup: bool = True, budgets: Sequence[int] = (0,)
+                   ) -> tuple[list[list[PromptResult]], dict[str, list[float]]]:
+    """`decode_prompt` for each (index, prompt); the results (per prompt, per budget) and every step time
+    (ms) by step name ("target_decode" of plain decoding, "b<budget>/<kind>" of the speculative runs)."""
     from dflash_pipeline.decoding.graphs import StepTimer
 
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids)
     if warmup and prompts:  # first calls pay for allocation, kernel selection and graph capture: keep that out
         few = {**kw, "max_new_tokens": min(4, max_new_tokens)}
         target_generate(target, prompts[0][1].ids, **few)
-        speculative_generate(target, drafter, prompts[0][1].ids, **few)
+        for budget in budgets:
+            speculate(target, drafter, prompts[0][1].ids, budget=budget, **few)
     timer = StepTimer(target.device)
-    results: list[PromptResult] = []
+    results: list[list[PromptResult]] = []
     for index, prompt in prompts:
-        results.append(decode_prompt(target, drafter, prompt, index, seed=seed, timer=timer, **kw))
+        results.append(decode_prompt(target, drafter, prompt, index, seed=seed, timer=timer, budgets=budgets, **kw))
         if progress is not None:
             progress.update(_progress_line(results, len(prompts)))
     if progress is not None:
         progress.done()
-    return results, {name: timer.times(name) for name in STEP_KINDS}
+    names = ["target_decode", *(f"b{b}/{k}" for b in budgets for k in SPEC_STEP_KINDS)]
+    return results, {name: timer.times(name) for name in names}
 
 
-def build_report(results: list[PromptResult], step_times: dict[str, list[float]], *, block_size: int,
+def build_report(results: list[list[PromptResult]], step_times: dict[str, list[float]], *, block_size: int,
                  temperature: float, dtype: torch.dtype, cuda: bool) -> dict[str, Any]:
-    """The report of `summarize` with the median step times."""
-    report = summarize(results, block_size=block_size, temperature=temperature, dtype=dtype)
+    """The report of each budget (`summarize` with its median step times), combined by `sweep_report`."""
     medians = {k: sorted(v)[len(v) // 2] for k, v in step_times.items() if v}
-    add_step_times(report, medians, "events" if cuda else "host clock")
-    return report
+    reports = {}
+    for j, first in enumerate(results[0] if results else []):
+        b = first.budget
+        report = summarize([r[j] for r in results], block_size=block_size, temperature=temperature, dtype=dtype)
+        ms = {"target_decode": medians.get("target_decode"),
+              **{k: medians.get(f"b{b}/{k}") for k in ("target_verify", "drafter", "tree_build")}}
+        add_step_times(report, ms, "events" if cuda else "host clock")
+        reports[b] = report
+    return sweep_report(reports, [r for rs in results for r in rs], temperature=temperature, dtype=dtype)
 
 
 def evaluate(target: TargetLike, drafter: Drafter, prompts: Sequence, *, max_new_tokens: int, temperature: float,
              stop_ids: frozenset[int], seed: int = 0, progress: LiveLine | None = None,
-             warmup: bool = True) -> dict[str, Any]:
+             warmup: bool = True, budgets: Sequence[int] = (0,)) -> dict[str, Any]:
     """Decode every prompt (a `Prompt` or a (sample_id, ids) pair) here, with the target alone and with the
-    drafter; the report dict."""
+    drafter at each tree budget; the report dict."""
     prompts = [as_prompt(p) for p in prompts]
     if not prompts:
         raise DFlashError("eval: no prompts to decode")
     results, times = decode_prompts(target, drafter, list(enumerate(prompts)), max_new_tokens=max_new_tokens,
                                     temperature=temperature, stop_ids=stop_ids, seed=seed, progress=progress,
-                                    warmup=warmup)
+                                    warmup=warmup, budgets=budgets)
     return build_report(results, times, block_size=drafter.block_size, temperature=temperature, dtype=target.dtype,
                         cuda=target.device.type == "cuda")
 
@@ -234,16 +283,21 @@ def _generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
     return g
 
 
-def _progress_line(results: list[PromptResult], total: int) -> str:
-    steps = sum(len(r.spec.steps) for r in results)
-    committed = sum(s.committed for r in results for s in r.spec.steps)
-    spec_s = sum(r.spec.seconds for r in results) or float("nan")
-    base_s = sum(r.target.seconds for r in results) or float("nan")
-    failed = sum(r.check is not None and r.check.failure is not None for r in results)
-    ties = sum(len(r.check.ties) for r in results if r.check is not None)
-    line = (f"eval prompt {len(results)}/{total}: tau {committed / max(steps, 1):.2f}, "
-            f"{sum(r.spec.decoded_tokens for r in results) / spec_s:.1f} tok/s with drafter, "
-            f"{sum(r.target.decoded_tokens for r in results) / base_s:.1f} tok/s target alone")
+def _progress_line(results: list[list[PromptResult]], total: int) -> str:
+    def rate(gens) -> float:
+        return sum(g.decoded_tokens for g in gens) / (sum(g.seconds for g in gens) or float("nan"))
+
+    parts = []
+    for j, first in enumerate(results[0]):
+        specs = [r[j].spec for r in results]
+        tau = sum(s.committed for g in specs for s in g.steps) / max(sum(len(g.steps) for g in specs), 1)
+        label = f"budget {first.budget}: " if len(results[0]) > 1 else ""
+        parts.append(f"{label}tau {tau:.2f}, {rate(specs):.1f} tok/s with drafter")
+    flat = [r for rs in results for r in rs]
+    failed = sum(r.check is not None and r.check.failure is not None for r in flat)
+    ties = sum(len(r.check.ties) for r in flat if r.check is not None)
+    line = (f"eval prompt {len(results)}/{total}: {'; '.join(parts)}; "
+            f"{rate([r[0].target for r in results]):.1f} tok/s target alone")
     return line + (f", {failed} NOT lossless" if failed else "") + (f", {ties} tie divergences" if ties else "")
 
 
@@ -254,19 +308,27 @@ def make_participants(model, drafter_model, prompts: Sequence, cfg: EvalConfig, 
 
     layer_ids = drafter_model.config.target_layer_ids
     block = int(cfg.block_size or drafter_model.config.block_size)
+    trees = [b for b in cfg.tree_budget if b > 0]
     reason = unsupported_reason(model)
+    if trees:
+        check_tree_target(model.config)
+        if reason:
+            raise DFlashError(f"--tree-budget {max(trees)}: tree verification runs on the static-cache decoding "
+                              f"path, which this target cannot use ({reason}); use --tree-budget 0 (the chain)")
     if reason:
         ignored = "; --compile has no effect there" if cfg.compile else ""
         progress.say(f"eager decoding (no static cache, no CUDA graphs): {reason}{ignored}")
         target = Target(model, layer_ids)
         return target, DFlashDraft(drafter_model, target, cfg.block_size)
-    max_len = max(len(as_prompt(p).ids) for p in prompts) + cfg.max_new_tokens + block
+    # A round writes at most max(B, N + 1) slots past the committed tokens.
+    max_len = max(len(as_prompt(p).ids) for p in prompts) + cfg.max_new_tokens + max([block, *(b + 1 for b in trees)])
     if cfg.compile:
         progress.say("compiling the decode, verify and drafter steps at their first calls (a minute or more)")
     target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block, compile=cfg.compile)
-    graphs = target.runner.prepare((1, block))  # none is built later, inside a timed prompt
+    graphs = target.runner.prepare((1, block, *(b + 1 for b in trees)))  # none is built later, in a timed prompt
     if target.runner.graphs:
-        progress.say(f"captured {graphs} CUDA graphs of the decode and verify steps")
+        what = "decode, verify and tree verify" if trees else "decode and verify"
+        progress.say(f"captured {graphs} CUDA graphs of the {what} steps")
     return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=cfg.compile)
 
 
@@ -307,11 +369,12 @@ def _decode_share(proc: Proc, cfg: EvalConfig, prompts: list[Prompt], progress: 
     # shapes, so a prompt's tokens do not depend on which process decodes it.
     target, drafter = make_participants(model, drafter_model, prompts, cfg, progress)
     try:
+        budgets = "" if cfg.tree_budget == [0] else f", tree budgets {', '.join(map(str, cfg.tree_budget))}"
         progress.say(f"decoding {len(mine)} prompts{of}, up to {cfg.max_new_tokens} new tokens each, "
-                     f"block {drafter.block_size}, temperature {cfg.temperature:g}")
+                     f"block {drafter.block_size}{budgets}, temperature {cfg.temperature:g}")
         share["results"], share["step_times"] = decode_prompts(
             target, drafter, mine, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            stop_ids=stop_ids, seed=cfg.seed, progress=progress)
+            stop_ids=stop_ids, seed=cfg.seed, progress=progress, budgets=cfg.tree_budget)
     finally:
         target.close()
     share.update(decoding="graphed" if isinstance(target, GraphedTarget) else "eager", block_size=drafter.block_size)
@@ -326,7 +389,7 @@ def merge_shares(cfg: EvalConfig, shares: list[dict[str, Any]], target_path: str
     done = [s for s in shares if s["results"]]
     ordered = sorted(((i, r) for s in done for i, r in zip(s["indices"], s["results"])), key=lambda x: x[0])
     results = [r for _, r in ordered]
-    times = {k: [t for s in done for t in s["step_times"].get(k, [])] for k in STEP_KINDS}
+    times = {k: [t for s in done for t in s["step_times"].get(k, [])] for k in done[0]["step_times"]}
     first = done[0]
     report = build_report(results, times, block_size=first["block_size"], temperature=cfg.temperature,
                           dtype=first["dtype"], cuda=first["device"].startswith("cuda"))
@@ -334,12 +397,13 @@ def merge_shares(cfg: EvalConfig, shares: list[dict[str, Any]], target_path: str
                   drafter=str(cfg.drafter), target=str(target_path), max_new_tokens=cfg.max_new_tokens,
                   all_turns=cfg.all_turns, config=cfg.to_dict())
     if cfg.records:
-        write_records(cfg.records, results)
+        write_records(cfg.records, [r for rs in results for r in rs])
     return report
 
 
 def write_records(path: str, results: list[PromptResult]) -> None:
-    """One JSON line per prompt (eval.report.prompt_record), written whole under a temporary name first."""
+    """One JSON line per prompt and budget (eval.report.prompt_record), written whole under a temporary
+    name first."""
     import os
 
     tmp = f"{path}.tmp"
@@ -365,7 +429,10 @@ def run_eval(cfg: EvalConfig, progress: LiveLine | None = None) -> dict[str, Any
         raise DFlashError(f"--records {cfg.records}: its folder does not exist")
     dcfg = read_drafter_config(cfg.drafter)
     target_path = resolve_target(cfg.target)
-    hidden, layers, vocab = _target_shape(AutoConfig.from_pretrained(target_path))
+    target_cfg = AutoConfig.from_pretrained(target_path)
+    if max(cfg.tree_budget) > 0:
+        check_tree_target(target_cfg)  # hybrid targets: one line, before any weights load
+    hidden, layers, vocab = _target_shape(target_cfg)
     check_pairing(dcfg, hidden_size=hidden, num_layers=layers, vocab_rows=vocab,
                   where=f"{cfg.drafter} vs target {cfg.target or 'embedded default'}")
     prompts = load_prompts(cfg.prompts, AutoTokenizer.from_pretrained(target_path), cfg.num_prompts, cfg.all_turns,
@@ -392,5 +459,5 @@ def _gather(proc: Proc, share: dict[str, Any]) -> list[dict[str, Any]]:
     return shares
 
 
-__all__ = ["EvalConfig", "run_eval", "evaluate", "decode_prompt", "decode_prompts", "eval_rank", "merge_shares",
+__all__ = ["EvalConfig", "run_eval", "evaluate", "speculate", "decode_prompt", "decode_prompts", "eval_rank", "merge_shares",
            "check_pairing", "load_prompts", "read_drafter_config", "make_participants"]

@@ -40,32 +40,10 @@ from typing import Protocol, Sequence
 
 import torch
 
-# ---------------------------------------------------------------- sampling and acceptance (pure)
+from dflash_pipeline.decoding.sampling import choose, next_token, probs_from_logits, sample
 
-
-def probs_from_logits(logits_V: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in fp32; the distribution both the target and the drafter sample from."""
-    return torch.softmax(logits_V.float() / temperature, dim=-1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [..., V] -> [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def next_token(logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The target's own choice: argmax at T = 0, else a sample of softmax(logits / T)."""
-    if temperature == 0:
-        return int(logits_V.argmax())
-    return int(sample(probs_from_logits(logits_V, temperature), generator))
-
-
-def choose(logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """`next_token` without leaving the device: a 0-d long tensor."""
-    if temperature == 0:
-        return logits_V.argmax()
-    return sample(probs_from_logits(logits_V, temperature), generator)
+# ---------------------------------------------------------------- acceptance (pure)
+# The target's decoding rule itself (argmax or a draw of softmax(logits / T)) is decoding/sampling.py's.
 
 
 def greedy_accept(draft_m: torch.Tensor, target_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +269,6 @@ def target_generate(target: TargetLike, prompt: Sequence[int], *, max_new_tokens
 
 
 __all__ = [
-    "Drafter", "TargetLike", "Generation", "Step", "probs_from_logits", "sample", "next_token", "choose", "greedy_accept",
-    "residual", "rejection_accept", "speculative_generate", "target_generate",
+    "Drafter", "TargetLike", "Generation", "Step", "greedy_accept", "residual", "rejection_accept",
+    "speculative_generate", "target_generate",
 ]

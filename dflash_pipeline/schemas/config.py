@@ -216,6 +216,7 @@ class OutputConfig:
     log_every: int = 10
     eval_every: int = 0                  # 0: at the end of each epoch only
     eval_max_samples: int = 256
+    eval_tree_budget: list[int] = field(default_factory=lambda: [16, 64])  # tau_tree_N of the held-out estimate
     save_every: int = 500
     keep_checkpoints: int = 2
     resume: bool = False
@@ -228,6 +229,10 @@ class OutputConfig:
         for name in ("log_every", "keep_checkpoints", "eval_max_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        self.eval_tree_budget = [int(b) for b in self.eval_tree_budget]
+        if min(self.eval_tree_budget, default=0) < 0 or len(set(self.eval_tree_budget)) != len(self.eval_tree_budget):
+            raise ValueError(f"--eval-tree-budget takes distinct budgets >= 0 (0: the chain; 'none' for no tree "
+                             f"estimate), got {self.eval_tree_budget}")
 
 
 _SECTIONS = {"model": ModelConfig, "loss": LossConfig, "optim": OptimConfig, "data": DataConfig,

@@ -107,8 +107,10 @@ def render_train_line(rec: dict[str, Any], total: int) -> str:
 
 
 def render_eval_line(res: dict[str, Any]) -> str:
+    trees = [(k.removeprefix("tau_tree_"), v) for k, v in res.items() if k.startswith("tau_tree_")]
+    tree = (" tree tau " + ", ".join(f"{v:.2f} @ {n}" for n, v in trees)) if trees else ""
     return (f"eval @ step {res['step']}: loss {res['loss']:.3f} acc {res['acc']:.3f} "
-            f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f} ({res['samples']} samples)")
+            f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f}{tree} ({res['samples']} samples)")
 
 
 class Trackers:

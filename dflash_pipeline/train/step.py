@@ -7,7 +7,8 @@ selection) is built on the host from the batch's host copy: the host then never 
 within or between steps, and keeps the GPU's queue full.
 
 Legend: R rows, S row length, A anchors per row, B block size, Q = A*B, N labelled slots, H hidden,
-V vocabulary, K teacher top-k, J top-k accuracy levels (`TOPK_ACCURACY`).
+V vocabulary, K teacher top-k (or the drafter's, `DraftTopK`), J top-k accuracy levels (`TOPK_ACCURACY`),
+m = B - 1 drafted slots.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ class Frozen:
 
 
 @dataclass
+class DraftTopK:
+    """The drafter's top-K at the drafted slots 1..B-1 of every block (m = B - 1), from the loss's own pass.
+    Only labelled slots have logits there: the others hold log-probability -inf (no tree node) and
+    reference -1."""
+
+    logprobs_RAmK: torch.Tensor   # fp32, best first
+    ids_RAmK: torch.Tensor        # int64
+    reference_RAm: torch.Tensor   # int64: the label (the token the block slot predicts), -1 where unlabelled
+
+
+@dataclass
 class StepOut:
     loss: torch.Tensor            # differentiable scalar
     ce: torch.Tensor
@@ -46,6 +58,7 @@ class StepOut:
     attn_pairs: float             # visible (query, key) pairs, for the FLOP count (from the host)
     run_RA: torch.Tensor          # per block: correct slots in a row from slot 1 (-1: no label)
     topk_correct_JB: torch.Tensor  # [len(TOPK_ACCURACY), B] labels within the drafter's top k, per block slot
+    draft_topk: DraftTopK | None = None  # with run_blocks(topk=K): the tree estimate's input
 
 
 # Top-k accuracies per block slot beside top-1 (`correct_B`): how often a tree that offers k tokens at a
@@ -143,9 +156,9 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
 
 def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *, block_size: int,
                mask_token_id: int, gamma: float, kl_weight: float, cap_weight: float, feature_noise: float,
-               loss_chunk: int, g: torch.Generator | None, autocast: bool) -> StepOut:
+               loss_chunk: int, g: torch.Generator | None, autocast: bool, topk: int = 0) -> StepOut:
     """One step's forward and loss. anchors_RA: from `draw_anchors` (host); g: the device generator of
-    the feature noise."""
+    the feature noise; topk > 0: also the drafter's top-k per drafted slot (`StepOut.draft_topk`)."""
     core = model.module if hasattr(model, "module") else model
     cfg = core.config
     feats = batch.features
@@ -173,7 +186,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
                           kl_weight=kl_weight, cap_weight=cap_weight,
                           chunk_size=loss_chunk_for(loss_chunk, head.shape[0]), rank_limit=max(TOPK_ACCURACY),
-                          compiled=False if core.options.compile_kernels is False else None)
+                          compiled=False if core.options.compile_kernels is False else None, topk=topk)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax; top-k
     # accuracy from the label's rank in those logits.
     labelled_RQ = torch.zeros(R * Q, dtype=torch.bool, device=device).index_fill_(0, st.sel_N, True)
@@ -191,7 +204,21 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     streak = run.sum(-1) + 1
     return StepOut(res.loss, res.ce.detach(), res.kl.detach(), res.cap.detach(), correct_B, count_B,
                    (streak * has).sum(), has.sum(), R * Q, int(batch.num_tokens), st.attn_pairs,
-                   torch.where(has, run.sum(-1), -1), topk_correct_JB)
+                   torch.where(has, run.sum(-1), -1), topk_correct_JB,
+                   _draft_topk(res, st, R, Q, B) if topk else None)
+
+
+def _draft_topk(res, st: StagedBlocks, R: int, Q: int, B: int) -> DraftTopK:
+    """The loss pass's top-k of the labelled slots scattered into [R, A, B - 1, K]."""
+    K, dev = res.topk_ids_NK.shape[1], res.topk_ids_NK.device
+    lp = torch.full((R * Q, K), -float("inf"), dtype=torch.float32, device=dev)
+    ids = torch.zeros(R * Q, K, dtype=torch.long, device=dev)
+    ref = torch.full((R * Q,), -1, dtype=torch.long, device=dev)
+    lp.index_copy_(0, st.sel_N, res.topk_logprobs_NK.float())
+    ids.index_copy_(0, st.sel_N, res.topk_ids_NK)
+    ref.index_copy_(0, st.sel_N, st.labels_N)
+    A = Q // B
+    return DraftTopK(lp.view(R, A, B, K)[:, :, 1:], ids.view(R, A, B, K)[:, :, 1:], ref.view(R, A, B)[:, :, 1:])
 
 
 def attention_pairs(blocks, block_size: int, layer_kinds: list[tuple[bool, int | None]]) -> float:

@@ -291,7 +291,8 @@ class Trainer:
         self.heldout = HeldoutSet(
             reader=self.reader, rows=self.eval_rows[proc.rank::proc.world], frozen=self.frozen, drafter=self.dcfg,
             gamma=self.gamma, max_anchors=cfg.loss.max_anchors, loss_chunk=cfg.runtime.loss_chunk,
-            device=self.device, autocast=self.autocast, world=proc.world)
+            device=self.device, autocast=self.autocast, world=proc.world,
+            tree_budgets=tuple(cfg.output.eval_tree_budget))
         self.model.train()
 
     @contextlib.contextmanager
