@@ -54,3 +54,15 @@ def s3_server():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine: batch-1 decoding is per-op overhead and memory bound, and
+    a second thread mostly adds contention (measured: up to 5x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

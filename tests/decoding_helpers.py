@@ -77,3 +77,20 @@ class Steered:
         want = self.sequence[start + 1:start + 1 + len(self.seen) % self.block_size]
         logits[torch.arange(len(want)), torch.tensor(want, dtype=torch.long)] = 1e4
         return logits
+
+
+class Requests:
+    """A request source for generate's Engine: each request once; what came back, by key, as
+    (tokens, finish)."""
+
+    def __init__(self, requests):
+        self.todo, self.done = list(requests), {}
+
+    def next_request(self):
+        return self.todo.pop(0) if self.todo else None
+
+    def finished(self, done):
+        self.done[done.request.key] = (done.tokens, done.finish)
+
+    def exhausted(self):
+        return not self.todo

@@ -22,12 +22,7 @@ from decoding_helpers import hf_greedy, tiny_causal_lm as tiny
 V = 96  # the vocabulary of helpers.tiny_causal_lm
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode faster on one thread
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

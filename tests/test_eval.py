@@ -110,14 +110,7 @@ class TableDrafter:
         return self.table[anchor]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Batch-1 decoding is per-op overhead and memory bound; a second thread mostly adds contention
-    (measured: up to 5x slower on a shared 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode faster on one thread
 
 
 def tiny_llama(vocab: int = 6, seed: int = 0, head_std: float = 0.3):

@@ -30,12 +30,7 @@ from decoding_helpers import Steered, hf_greedy, tiny_causal_lm, tiny_drafter
 from helpers import make_tiny_target
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode faster on one thread
 
 
 # ---------------------------------------------------------------- what plain decoding records

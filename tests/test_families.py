@@ -38,19 +38,13 @@ from families import FAMILIES, build, readme_table
 from helpers import write_conversations
 from test_eval import OracleDrafter
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 NUM_FEATURES = 3
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: a second thread mostly adds contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# one_thread (conftest.py): tiny models decode faster on one thread
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding_helpers import hf_greedy, tiny_causal_lm
+from decoding_helpers import Requests, hf_greedy, tiny_causal_lm
 from dflash_pipeline.decoding.runner import DecodingRunner
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.models import Target
@@ -56,22 +56,6 @@ def test_prefill_of_many_rows_equals_one_row_prefills(kind):
         torch.testing.assert_close(seen["many"], seen["one"], atol=1e-5, rtol=1e-5)
 
 
-class _Requests:
-    """Each request once; what the engine returned, by key."""
-
-    def __init__(self, requests):
-        self.todo, self.done = list(requests), {}
-
-    def next_request(self):
-        return self.todo.pop(0) if self.todo else None
-
-    def finished(self, done):
-        self.done[done.request.key] = (done.tokens, done.finish)
-
-    def exhausted(self):
-        return not self.todo
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_on_the_runner_equals_plain_greedy_decoding_of_each_prompt(kind):
     model = tiny_causal_lm(kind, seed=2)
@@ -90,7 +74,7 @@ def test_engine_on_the_runner_equals_plain_greedy_decoding_of_each_prompt(kind):
     assert {f for _, f in want.values()} == {"stop", "length", "context"}
     rows = make_rows(model, 3, capacity, torch.device("cpu"))
     assert rows.runner.slots == capacity
-    source = _Requests([Request(i, p, 0, n, "context" if i == len(refs) - 1 else "length")
+    source = Requests([Request(i, p, 0, n, "context" if i == len(refs) - 1 else "length")
                         for i, (p, n) in enumerate(zip(prompts, limits))])
     stats = Engine(rows, stop_ids=[stop]).run(source)
     rows.close()

@@ -35,12 +35,7 @@ from dflash_pipeline.eval.speculative import greedy_accept, target_generate
 from test_eval import _chi_square, _joint_exact, tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode faster on one thread
 
 
 # ---------------------------------------------------------------- references for the builder
