@@ -194,19 +194,24 @@ def _untimed(name: str):
     yield
 
 
+def prefill(target, drafter: Drafter, prompt: Sequence[int], temperature: float,
+            generator: torch.Generator | None):
+    """The prompt through the target: (cache, context features, [first token], the anchor's position,
+    committed but not yet in the target cache); the drafter starts afresh."""
+    cache = target.new_cache()
+    logits, context = target.forward(list(prompt), 0, cache, features=True, last_only=True)
+    drafter.reset()
+    return cache, context, [next_token(logits[-1], temperature, generator)], len(prompt)
+
+
 @torch.inference_mode()
 def speculative_generate(target: TargetLike, drafter: Drafter, prompt: Sequence[int], *, max_new_tokens: int,
                          temperature: float, stop_ids: frozenset[int], generator: torch.Generator | None = None,
                          timer=None) -> Generation:
     """Block speculative decoding of one prompt; the output follows the target's own decoding rule."""
     timer = timer or _untimed
-    prompt = list(prompt)
     B = drafter.block_size
-    cache = target.new_cache()
-    logits, context = target.forward(prompt, 0, cache, features=True, last_only=True)
-    tokens = [next_token(logits[-1], temperature, generator)]
-    drafter.reset()
-    start = len(prompt)  # position of the anchor: committed, but not yet in the target cache
+    cache, context, tokens, start = prefill(target, drafter, prompt, temperature, generator)
     steps: list[Step] = []
     t0 = _clock(target.device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:

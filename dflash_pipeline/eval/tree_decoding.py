@@ -36,7 +36,7 @@ import torch
 from dflash_pipeline.decoding.sampling import choose, next_token
 from dflash_pipeline.decoding.tree import Trees, accept_paths, build_trees, slot_topk, topk_for_budget
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.eval.speculative import Drafter, Generation, Step, _clock, _until_stop, _untimed
+from dflash_pipeline.eval.speculative import Drafter, Generation, Step, _clock, _until_stop, _untimed, prefill
 
 
 def draft_tree(draft_logits_DV: torch.Tensor, depth: int, budget: int) -> Trees:
@@ -64,13 +64,8 @@ target_decode for a last round that can commit one token only)."""
         raise ValueError(f"tree_generate needs a budget >= 1 (0 is the chain), got {budget}")
     check_tree_participant(target)
     timer = timer or _untimed
-    prompt = list(prompt)
     D = drafter.block_size - 1
-    cache = target.new_cache()
-    logits, context = target.forward(prompt, 0, cache, features=True, last_only=True)
-    tokens = [next_token(logits[-1], temperature, generator)]
-    drafter.reset()
-    start = len(prompt)  # position of the anchor: committed, but not yet in the target cache
+    cache, context, tokens, start = prefill(target, drafter, prompt, temperature, generator)
     steps: list[Step] = []
     t0 = _clock(target.device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
