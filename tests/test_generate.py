@@ -57,6 +57,33 @@ def test_replay_answers_each_slot_given_the_regenerated_replies():
     assert "ORIGINAL" not in json.dumps(row)
 
 
+def test_tool_definitions_and_tool_turns_survive_regeneration(tmp_path):
+    """A record's `tools` reach every prompt and the output row, a tool turn keeps its call id and name,
+    and the row reads back through extraction's readers as the same tools and tool turn."""
+    from dflash_pipeline.extract.readers import record_messages, record_tools
+    from dflash_pipeline.generate.conversations import conversation_from_json, conversation_to_json, iter_conversations
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    record = {"id": "r1", "tools": tools, "messages": [
+        _m("user", "weather in Oslo?"), {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "-3C", "tool_call_id": "c1", "name": "weather"}]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    conv, = iter_conversations([str(path)])
+    assert conv.tools == tools and conversation_from_json(conversation_to_json(conv)) == conv
+    seen = []
+    r = Replay.start(conv, "all")   # the original call is regenerated; the tool result is answered too
+    while not r.done:
+        seen.append(r.history())
+        r.add(Reply(f"reply {r.turn}", 3, "stop"))
+    assert seen[1][-1] == {"role": "tool", "content": "-3C", "tool_call_id": "c1", "name": "weather"}
+    row = r.output_row()
+    assert row["tools"] == tools and record_tools(row) == tools
+    assert [m["role"] for m in record_messages(row)] == ["user", "assistant", "tool", "assistant"]
+    assert record_messages(row)[2] == {"role": "tool", "content": "-3C", "tool_call_id": "c1", "name": "weather"}
+
+
 def test_replay_ends_at_a_truncated_or_empty_reply():
     msgs = [_m("user", "u1"), _m("assistant", "a"), _m("user", "u2"), _m("assistant", "b")]
     r = Replay.start(_conv(msgs, "messages", record_id="x7"), "all")

@@ -12,8 +12,11 @@ written for a complete reply. An empty reply is dropped and ends the replay as w
 left without any reply is dropped whole. Both are counted by the caller.
 
 The output row keeps the input's form (ShareGPT `conversations` with from/value, or OpenAI
-`messages`; a `prompt` record becomes `messages`), its `id` if it had one, and a `dflash` entry with
-the source row and, per reply, the tokens generated and why it ended.
+`messages`; a `prompt` record becomes `messages`), its `id` and `tools` if it had them (every prompt
+is rendered with the record's tools, as extraction renders the record), a tool turn's call id and
+name, and a `dflash` entry with the source row and, per reply, the tokens generated and why it ended.
+A reply is the target's text as it wrote it: a tool call it makes is in that text, in its template's
+own syntax, and the original tool results that follow answer the original call.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_pipeline.extract.readers import NO_PROMPT, BadRow, BadRowError, DataReport, iter_rows, record_messages
+from dflash_pipeline.extract.readers import (
+    NO_PROMPT, TOOLS_KEY, BadRow, BadRowError, DataReport, iter_rows, record_messages, record_tools,
+)
 from dflash_pipeline.schemas.generate import STOP
 
 SHAREGPT_ROLES = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+TOOL_TURN_KEYS = ("tool_call_id", "name")
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,9 @@ class Conversation:
     row: int  # 1-based, in its file
     sample_id: int  # global row index in the input, bad rows included (as for extraction)
     form: str  # the record's key: 'conversations' (ShareGPT), 'messages' (OpenAI) or 'prompt'
-    messages: list[dict[str, str]]  # {role: system|user|assistant|tool, content}
+    messages: list[dict[str, Any]]  # {role: system|user|assistant|tool, content} (+ a tool turn's call id, name)
     record_id: Any = None  # the record's own "id", if it has one
+    tools: list[dict[str, Any]] | None = None  # the record's tool definitions: every prompt is rendered with them
 
 
 def iter_conversations(paths: list[str] | None, split: str = "train",
@@ -56,12 +63,13 @@ def iter_conversations(paths: list[str] | None, split: str = "train",
             messages = record_messages(record)
             if isinstance(messages, str):
                 raise BadRowError(NO_PROMPT, "a plain 'text' record has no prompt")
+            tools = record_tools(record)
         except BadRowError as e:
             report.skip(where.file, where.row, e.bad.reason, e.bad.detail)
             continue
         form = next((k for k in ("conversations", "messages") if record.get(k) is not None), "prompt")
         report.num_samples += 1
-        yield Conversation(where.file, where.row, where.sample_id, form, messages, record.get("id"))
+        yield Conversation(where.file, where.row, where.sample_id, form, messages, record.get("id"), tools)
 
 
 class NoPrompt(ValueError):
@@ -153,13 +161,17 @@ class Replay:
         if not self.replies:
             return None
         msgs = self.messages()
+        # A tool turn keeps its call id and name (readers read them in either form).
+        extra = [{k: m[k] for k in TOOL_TURN_KEYS if k in m} for m in msgs]
         if self.conv.form == "conversations":
-            row: dict[str, Any] = {"conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]}
-                                                     for m in msgs]}
+            row: dict[str, Any] = {"conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"], **x}
+                                                     for m, x in zip(msgs, extra)]}
         else:
-            row = {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+            row = {"messages": [{"role": m["role"], "content": m["content"], **x} for m, x in zip(msgs, extra)]}
         if self.conv.record_id is not None:
             row["id"] = self.conv.record_id
+        if self.conv.tools:
+            row[TOOLS_KEY] = self.conv.tools
         row["dflash"] = {
             "sample_id": self.conv.sample_id,
             "source": f"{self.conv.file}:{self.conv.row}",
@@ -170,8 +182,8 @@ class Replay:
 
 def conversation_to_json(conv: Conversation) -> dict[str, Any]:
     return {"file": conv.file, "row": conv.row, "sample_id": conv.sample_id, "form": conv.form,
-            "messages": conv.messages, "id": conv.record_id}
+            "messages": conv.messages, "id": conv.record_id, "tools": conv.tools}
 
 
 def conversation_from_json(d: dict[str, Any]) -> Conversation:
-    return Conversation(d["file"], d["row"], d["sample_id"], d["form"], d["messages"], d.get("id"))
+    return Conversation(d["file"], d["row"], d["sample_id"], d["form"], d["messages"], d.get("id"), d.get("tools"))
