@@ -100,3 +100,18 @@ def write_conversations(path, n: int = 40, seed: int = 0):
         ]})
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def extract_tiny_store(root, tokenizer_dir, *, n: int = 24, out=None, **options) -> tuple[str, str]:
+    """(target folder, store url): a tiny random target under `root` and the real extraction of `n`
+    conversations into `out` (default root/store); `options` override the small defaults."""
+    from dflash_pipeline.extract.pipeline import run_extract
+    from dflash_pipeline.schemas.config import ExtractConfig
+
+    target = make_tiny_target(root / "target", tokenizer_dir)
+    data = write_conversations(root / "conv.jsonl", n=n)
+    out = str(out or root / "store")
+    settings = dict(max_length=128, topk=4, tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1,
+                    quiet=True, device="cpu", num_features=3)
+    run_extract(ExtractConfig(out=out, target=str(target), data=[str(data)], **{**settings, **options}))
+    return str(target), out

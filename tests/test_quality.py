@@ -15,13 +15,11 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # the benchmark modules under test
 
-from dflash_pipeline.extract.pipeline import run_extract  # noqa: E402
-from dflash_pipeline.schemas.config import ExtractConfig  # noqa: E402
 from dflash_pipeline.store.reader import StoreReader  # noqa: E402
 from dflash_pipeline.train.batch import Batch  # noqa: E402
 from dflash_pipeline.train.loader import StreamingLoader  # noqa: E402
 from dflash_pipeline.train.model import DrafterConfig  # noqa: E402
-from helpers import make_tiny_target, write_conversations  # noqa: E402
+from helpers import extract_tiny_store  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -36,14 +34,8 @@ needs_specforge = pytest.mark.skipif(not HAVE_SPECFORGE, reason="the specforge w
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm_dir):
-    root = tmp_path_factory.mktemp("quality")
-    target = make_tiny_target(root / "target", smollm_dir)
-    data = write_conversations(root / "conv.jsonl", n=24)
-    store = str(root / "store")
-    run_extract(ExtractConfig(out=store, target=str(target), data=[str(data)], max_length=128, topk=4,
-                              tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1, quiet=True,
-                              device="cpu", num_features=3))
-    return {"target": str(target), "store": store}
+    target, store = extract_tiny_store(tmp_path_factory.mktemp("quality"), smollm_dir)
+    return {"target": target, "store": store}
 
 
 def _packed_batch() -> Batch:

@@ -16,27 +16,19 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import ConfigMismatchError, DFlashError
-from dflash_pipeline.extract.pipeline import run_extract
-from dflash_pipeline.schemas.config import ExtractConfig, TrainConfig
+from dflash_pipeline.schemas.config import TrainConfig
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import Manifest, eval_holdout, plan_epoch
 from dflash_pipeline.train.trainer import run_train
-from helpers import make_tiny_target, write_conversations
+from helpers import extract_tiny_store
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
 def tiny_store(tmp_path_factory, smollm_dir):
-    root = tmp_path_factory.mktemp("tiny")
-    target = make_tiny_target(root / "target", smollm_dir)
-    data = write_conversations(root / "conv.jsonl", n=60)
-    out = str(root / "store")
-    run_extract(ExtractConfig(out=out, target=str(target), data=[str(data)], max_length=128, topk=4,
-                              tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1, quiet=True,
-                              device="cpu", num_features=3))
-    return out
+    return extract_tiny_store(tmp_path_factory.mktemp("tiny"), smollm_dir, n=60)[1]
 
 
 def _cfg(store, out, **kw) -> TrainConfig:
@@ -186,11 +178,7 @@ def test_resume_refuses_changed_config_or_store(tiny_store, tmp_path):
 
 
 def test_kl_without_topk_is_refused(tmp_path, smollm_dir):
-    target = make_tiny_target(tmp_path / "t", smollm_dir)
-    data = write_conversations(tmp_path / "c.jsonl", n=6)
-    store = str(tmp_path / "s")
-    run_extract(ExtractConfig(out=store, target=str(target), data=[str(data)], max_length=128, topk=0,
-                              tokenize_workers=1, quiet=True, device="cpu", num_features=2))
+    _, store = extract_tiny_store(tmp_path, smollm_dir, n=6, topk=0, num_features=2)
     with pytest.raises(DFlashError, match="--kl-weight needs the teacher's top-k"):
         run_train(_cfg(store, tmp_path / "r", kl_weight=0.5))
 
@@ -255,12 +243,8 @@ def test_extract_to_and_train_from_s3(tmp_path, smollm_dir, s3_server):
     processes stream from there."""
     import uuid
 
-    target = make_tiny_target(tmp_path / "target", smollm_dir)
-    data = write_conversations(tmp_path / "conv.jsonl", n=24)
     url = f"s3://dflash-test/{uuid.uuid4().hex}/store"
-    run_extract(ExtractConfig(out=url, target=str(target), data=[str(data)], max_length=128, topk=4,
-                              tokens_per_batch=1024, segment_tokens=400, tokenize_workers=1, quiet=True,
-                              device="cpu", num_features=3))
+    extract_tiny_store(tmp_path, smollm_dir, out=url)
     from dflash_pipeline.store.verify import verify_store
 
     assert verify_store(url).ok
@@ -295,11 +279,7 @@ def test_export_records_the_store_layers(tiny_store, tmp_path):
 
 
 def test_fp8_store_trains(tmp_path, smollm_dir):
-    target = make_tiny_target(tmp_path / "t", smollm_dir)
-    data = write_conversations(tmp_path / "c.jsonl", n=16)
-    store = str(tmp_path / "s")
-    run_extract(ExtractConfig(out=store, target=str(target), data=[str(data)], max_length=128, topk=4, codec="fp8",
-                              segment_tokens=400, tokenize_workers=1, quiet=True, device="cpu", num_features=2))
+    _, store = extract_tiny_store(tmp_path, smollm_dir, n=16, codec="fp8", num_features=2)
     r = StoreReader(store)
     assert r.meta.codec == "fp8"
     seg = r.read_segment(int(r.segment_ids()[0]))
