@@ -243,3 +243,17 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     assert est["value"] == pytest.approx(1.2) and not est["met"]
     assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 |" in md
     assert "| ce@orig | store orig-bf16 |" in md
+
+
+def test_only_the_alone_eval_compiles_when_asked(tmp_path):
+    """--eval-compile 1 times the speedup with compiled kernels; the shared evals stay as they were."""
+    import dataclasses
+
+    import quality
+
+    for flag in (0, 1):
+        b = quality.Bench(str(tmp_path), None, dataclasses.replace(quality.SMOKE, eval_compile=flag), smoke=True)
+        shared = b.eval_jobs("ce", sets=("chat",))
+        alone = b.eval_jobs("ce", alone=True, sets=("chat",), temps=(0.0,))
+        assert all("--compile" not in j.cmd for j in shared)
+        assert ("--compile" in alone[0].cmd) == bool(flag)
