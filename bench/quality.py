@@ -87,6 +87,7 @@ class Plan:
     warmup_steps: int = 10          # not timed (compilation)
     num_workers: int = 2
     log_every: int = 10
+    eval_every: int = 0             # held-out estimate every N steps (0: at each epoch's end), the in-run curve
     train_jobs: int = 1             # trainings at once: on one H200 three at once ran at 14K tok/s each
                                     # against 48K alone (measured 2026-12-01), so they do not overlap
     eval_jobs: int = 4              # evals at once
@@ -223,6 +224,7 @@ class Bench:
         kw = {"steps": steps, "num_layers": p.num_layers, "tokens_per_batch": p.tokens_per_batch,
               "max_length": p.row_len, "max_anchors": p.max_anchors, "log_every": p.log_every,
               "num_workers": p.num_workers, "eval_fraction": p.eval_fraction, "save_every": 0,
+              "eval_every": p.eval_every,
               **self.recipe_args(recipe)}
         return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
@@ -623,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
     for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile",
-                 "online_steps", "speed_steps", "max_new_tokens"):
+                 "online_steps", "speed_steps", "max_new_tokens", "eval_every", "num_workers"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the plan's {name}")
     a = ap.parse_args(argv)
     plan = SMOKE if a.smoke else REAL

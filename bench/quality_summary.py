@@ -150,10 +150,36 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
                                                _f(r.get("tau_chat_T0")), _f(r.get("tau_chat_T1"))]
                                               for n in curve for r in [run_row(b, n)]]), ""]
         rec["curve"] = {n: run_row(b, n) for n in curve}
+        out += _in_run_curve(b, best, rec)
     out += _specforge_section(b, rec)
     out += _online_section(b, rec)
     out += _goals(b, rec)
     return "\n".join(out) + "\n", rec
+
+
+def in_run_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The held-out estimates a run logged while it trained (`--eval-every`, or each epoch's end)."""
+    try:
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except OSError:
+        return []
+    by_step = {r["step"]: r for r in recs if r.get("type") == "eval" and "step" in r}
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def _in_run_curve(b, best: str, rec: dict[str, Any]) -> list[str]:
+    """One run's held-out estimate over its steps: the learning curve at no extra training (the lr schedule
+    is that run's, so a point is not a shorter run's end)."""
+    evals = in_run_evals(b.run_dir(best))
+    if len(evals) < 2:
+        return []
+    trees = sorted({k for e in evals for k in e if k.startswith("tau_tree_")}, key=lambda k: int(k.rsplit("_", 1)[1]))
+    rec["in_run_curve"] = {best: [{k: e.get(k) for k in ("step", "loss", "acc", "tau_chain", *trees)}
+                                  | {"acc1": (e.get("acc_per_pos") or [None])[0]} for e in evals]}
+    head = ["step", "held-out loss", "acc slot 1", "acc", "tau (est., chain)", *[f"tau (est., {k[4:]})" for k in trees]]
+    rows = [[_f(e.get("step"), ","), _f(e.get("loss")), _f((e.get("acc_per_pos") or [None])[0], ".3f"),
+             _f(e.get("acc"), ".3f"), _f(e.get("tau_chain")), *[_f(e.get(k)) for k in trees]] for e in evals]
+    return [f"### {best}: held-out estimate while it trained", _table(head, rows), ""]
 
 
 def _generate_record(b) -> dict[str, Any]:
