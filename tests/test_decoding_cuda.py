@@ -6,6 +6,8 @@
 - fp32 greedy speculative decoding on graphs == transformers' greedy generate on the GPU, for tiny
   Llama / Qwen3 (sliding) / Gemma 3 and a random SmolLM2-135M-shaped target, with acceptances of
   every length; once more with the steps compiled (`compile=True`);
+- the round's tree builder as one captured graph == the same builder run eagerly, call after call with
+  new logits, anchors and depth bounds (its outputs live in the graph's pool and must be refreshed);
 - fp32 greedy tree decoding (`--tree-budget`) on graphs == transformers' greedy generate: a captured
   verify step of q = N + 1 with the tree's depths as positions and its ancestor mask, the walk and the
   path's compaction on the device, paths of every length, second guesses included.
@@ -195,3 +197,23 @@ def test_step_timer_keeps_every_time_and_drains_finished_events():
     times = timer.times("matmul")
     assert len(times) == 300 and min(times) > 0
     assert timer.summary()["matmul"] == sorted(times)[150]
+
+
+@pytest.mark.parametrize("budget", [4, 64, 256])
+def test_graphed_tree_builder_equals_eager(budget):
+    from dflash_pipeline.decoding.tree import TreeBuilder
+
+    D, V = 15, 49152
+    g = torch.Generator().manual_seed(budget)
+    graphed = TreeBuilder(D, V, budget, torch.device(DEVICE))
+    eager = TreeBuilder(D, V, budget, torch.device(DEVICE), graphs=False)
+    for depth in [D, D, 7, D, 1, D]:
+        logits = (torch.randn(D, V, generator=g) * 3).to(DEVICE)
+        anchor = torch.randint(0, V, (1,), generator=g).to(DEVICE)
+        got = [t.clone() for t in graphed(logits, anchor, depth)[1:]]
+        want = eager(logits, anchor, depth)
+        for a, b in zip(got, want[1:]):
+            assert torch.equal(a, b)
+        trees = graphed.out[0]
+        for name in ("tokens_AN", "parents_AN", "depths_AN", "scores_AN", "num_nodes_A"):
+            assert torch.equal(getattr(trees, name), getattr(want[0], name)), name

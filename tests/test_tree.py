@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.tree import (
-    Tree, accept_paths, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, kept_slots, reference_depths,
-    slot_topk, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
+    Tree, TreeBuilder, accept_paths, build_tree, build_trees, check_tree_cache, check_tree_target, compact_cache, draft_tree,
+    kept_slots, reference_depths, slot_topk, topk_for_budget, tree_attention_mask, tree_estimate, walk, walk_sequence,
 )
 from dflash_pipeline.decoding.sampling import choose
 from dflash_pipeline.errors import DFlashError
@@ -623,3 +623,36 @@ def test_eval_tree_budget_option():
         assert res.exit_code == 2 and "distinct budgets >= 0" in res.stderr and "\n" not in res.stderr.strip()
     finally:
         mp.undo()
+
+
+def assert_same_round(got, logits_DV, anchor: int, depth: int, budget: int) -> None:
+    """A round's (trees, ids, offsets, mask) equals the eager reference: the top-K of each slot, the slots
+    past `depth` given log-probability -inf, built into a tree; its verify inputs."""
+    trees, ids_S, offsets_S, mask_SS = got
+    lp_DK, ids_DK = slot_topk(logits_DV, topk_for_budget(budget, logits_DV.shape[-1]))
+    lp_DK[depth:] = -math.inf
+    ref = build_trees(lp_DK[None], ids_DK[None], budget)
+    for name in ("tokens_AN", "parents_AN", "depths_AN", "ranks_AN", "scores_AN", "num_nodes_A"):
+        assert torch.equal(getattr(trees, name).cpu(), getattr(ref, name).cpu()), name
+    want = ref.verify_inputs(torch.tensor([anchor]), max(depth, 1))
+    for g, w in zip((ids_S, offsets_S, mask_SS), want):
+        assert torch.equal(g.cpu(), w[0]), "verify inputs"
+
+
+@pytest.mark.parametrize("budget", [1, 6, 16])
+def test_tree_builder_round_equals_the_eager_tree_at_every_depth(budget):
+    """Eval's per-round builder (one graph on CUDA, the same code here) gives, call after call with new
+    logits, anchors and depth bounds, the tree of the first `depth` slots and its verify inputs; its outputs
+    are refreshed by each call."""
+    D, V = 5, 23
+    g = torch.Generator().manual_seed(budget)
+    builder = TreeBuilder(D, V, budget, torch.device("cpu"))
+    for depth in [D, 3, D, 1, D]:
+        logits = torch.randn(D, V, generator=g) * 2
+        anchor = int(torch.randint(0, V, (1,), generator=g))
+        got = builder(logits, torch.tensor([anchor]), depth)
+        assert_same_round(got, logits, anchor, depth, budget)
+        assert int(got[0].depths_AN.max()) <= depth
+    assert torch.equal(draft_tree(logits, D, budget).tokens_AN, got[0].tokens_AN)
+    with pytest.raises(ValueError, match="depth"):
+        builder(logits, torch.tensor([0]), D + 1)

@@ -63,6 +63,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dflash_pipeline.decoding.graphs import GraphedStep
 from dflash_pipeline.errors import DFlashError
 
 # ---------------------------------------------------------------- the tree
@@ -249,6 +250,50 @@ def build_trees(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, budget: int) 
                  torch.where(valid, ranks, 0), scores, valid.sum(1))
 
 
+def draft_tree(logits_DV: torch.Tensor, depth: int | torch.Tensor, budget: int) -> Trees:
+    """The budget-N tree (one anchor) of a drafter pass's slot logits, no deeper than `depth` slots (an int,
+    or a 0-dim tensor read on the device): deeper slots hold no node, as a round near `max_new_tokens` needs."""
+    lp_DK, ids_DK = slot_topk(logits_DV, topk_for_budget(budget, logits_DV.shape[-1]))
+    slot_D1 = torch.arange(lp_DK.shape[0], device=lp_DK.device)[:, None]
+    lp_DK = lp_DK.masked_fill(slot_D1 >= depth, -math.inf)
+    return build_trees(lp_DK[None], ids_DK[None], budget)
+
+
+class TreeBuilder:
+    """One decoding round's tree and its verify inputs from the drafter's slot logits: `draft_tree`, then
+    `Trees.verify_inputs`, as ONE graph launch on CUDA. Eagerly that is some 400 small launches (the
+    level-by-level sorts and gathers of `build_trees`, the ancestor mask): 7.3-7.5 ms a round on an H200
+    whatever the budget, twice the target's verify step. The logits are copied into a static buffer, the
+    anchor and the depth bound are device scalars, so one graph per budget serves every round (a round near
+    the end of `max_new_tokens` masks the deeper slots instead of changing shape). The outputs are the
+    captured run's tensors (the graph's private pool): valid until the next call."""
+
+    def __init__(self, depth: int, vocab: int, budget: int, device: torch.device, graphs: bool | None = None):
+        self.budget, self.D = budget, depth
+        self.logits_DV = torch.zeros(depth, vocab, dtype=torch.float32, device=device)
+        self.anchor_1 = torch.zeros(1, dtype=torch.long, device=device)
+        self.depth = torch.zeros((), dtype=torch.long, device=device)
+        self.out: tuple[Trees, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._step = GraphedStep(self._build, device, None, device.type == "cuda" if graphs is None else graphs)
+
+    def _build(self) -> None:
+        trees = draft_tree(self.logits_DV, self.depth, self.budget)
+        ids_AS, offsets_AS, mask_ASS = trees.verify_inputs(self.anchor_1, self.D)
+        self.out = (trees, ids_AS[0], offsets_AS[0], mask_ASS[0])
+
+    def __call__(self, logits_DV: torch.Tensor, anchor_1: torch.Tensor, depth: int):
+        """(trees, verify ids [S], position offsets [S], ancestor mask [S, S]) of this round."""
+        if not 0 <= depth <= self.D or logits_DV.shape != self.logits_DV.shape:
+            raise ValueError(f"tree builder for {tuple(self.logits_DV.shape)} logits and depth <= {self.D}, "
+                             f"got {tuple(logits_DV.shape)} and depth {depth}")
+        self.logits_DV.copy_(logits_DV)
+        self.anchor_1.copy_(anchor_1)
+        self.depth.fill_(depth)
+        self._step()
+        assert self.out is not None
+        return self.out
+
+
 def _tokens_at(ids_ADK: torch.Tensor, depth_AN: torch.Tensor, rank_AN: torch.Tensor) -> torch.Tensor:
     A, D, K = ids_ADK.shape
     return ids_ADK.reshape(A, D * K).gather(1, (depth_AN - 1) * K + rank_AN)
@@ -425,7 +470,8 @@ def compact_cache(cache, keep: torch.Tensor) -> None:
 
 
 __all__ = [
-    "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "accept_paths", "walk",
+    "Tree", "Trees", "slot_topk", "topk_for_budget", "build_trees", "build_tree", "draft_tree", "TreeBuilder",
+    "accept_paths", "walk",
     "walk_sequence", "reference_depths", "tree_estimate", "tree_attention_mask", "kept_slots", "check_tree_target",
     "check_tree_cache", "compact_cache",
 ]

@@ -29,6 +29,7 @@ import torch
 
 from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner, StepIO
+from dflash_pipeline.decoding.tree import TreeBuilder
 from dflash_pipeline.eval.models import DFlashDraft, Target
 from dflash_pipeline.train.model import DFlashDrafter
 
@@ -42,6 +43,7 @@ class GraphedTarget(Target):
         self.runner = DecodingRunner(model, rows=1, max_len=max_len, layer_ids=self.layer_ids, graphs=graphs,
                                      compile=compile)
         self._tree_shapes: set[int] = set()  # verify shapes whose offsets and mask a tree overwrote
+        self._tree_builders: dict[tuple[int, int, int], TreeBuilder] = {}
 
     def close(self) -> None:
         self.runner.close()
@@ -87,6 +89,13 @@ class GraphedTarget(Target):
         self._tree_shapes.add(q)
         self.runner.step(q)
         return io
+
+    def tree_builder(self, budget: int, depth: int, vocab: int) -> TreeBuilder:
+        """The round's tree builder of this budget (one graph each, kept for every prompt of the run)."""
+        key = (budget, depth, vocab)
+        if key not in self._tree_builders:
+            self._tree_builders[key] = TreeBuilder(depth, vocab, budget, self.runner.device, self.runner.graphs)
+        return self._tree_builders[key]
 
     def compact_path(self, start: int, path_D: torch.Tensor) -> None:
         """Make the accepted path contiguous after the anchor (slot `start`): node path_D[j], verified at

@@ -12,7 +12,7 @@ and the path's keys and values are moved to contiguous cache slots. Greedy, the 
 decoding by induction, which `dflash eval` checks by the same lossless rule as the chain.
 
 One round, all on the device until its single transfer: drafter step (a graph), top-K and tree
-(no host synchronisation), verify step (a graph), the walk, the compaction of the path, the features of
+(`decoding.tree.TreeBuilder`, a graph per budget), verify step (a graph), the walk, the compaction of the path, the features of
 the anchor and the path (the drafter's next context); then ONE transfer brings the accepted count, the
 token after them, the tree's depth and the path's tokens to the host, as the chain's round does.
 Rounds that may commit fewer tokens (the end of `max_new_tokens`) restrict the tree's depth by giving
@@ -34,17 +34,9 @@ from typing import Sequence
 import torch
 
 from dflash_pipeline.decoding.sampling import choose, next_token
-from dflash_pipeline.decoding.tree import Trees, accept_paths, build_trees, slot_topk, topk_for_budget
+from dflash_pipeline.decoding.tree import accept_paths
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.speculative import Drafter, Generation, Step, _clock, _until_stop, _untimed, prefill
-
-
-def draft_tree(draft_logits_DV: torch.Tensor, depth: int, budget: int) -> Trees:
-    """The budget-N tree (one anchor) of the drafter's slot logits, no deeper than `depth` slots."""
-    lp_DK, ids_DK = slot_topk(draft_logits_DV, topk_for_budget(budget, draft_logits_DV.shape[-1]))
-    if depth < lp_DK.shape[0]:  # slots that could commit past max_new_tokens hold no node
-        lp_DK = torch.cat([lp_DK[:depth], torch.full_like(lp_DK[depth:], -float("inf"))])
-    return build_trees(lp_DK[None], ids_DK[None], budget)
 
 
 def check_tree_participant(target) -> None:
@@ -80,8 +72,8 @@ target_decode for a last round that can commit one token only)."""
         with timer("drafter"):
             draft_logits = drafter.draft(context, tokens[-1], start)
         with timer("tree_build"):
-            trees = draft_tree(draft_logits, depth, budget)
-            ids_S, offsets_S, mask_SS = (x[0] for x in trees.verify_inputs(anchor, depth))
+            trees, ids_S, offsets_S, mask_SS = target.tree_builder(budget, D, draft_logits.shape[-1])(
+                draft_logits, anchor, depth)
         with timer("target_verify"):
             io = target.verify_tree(ids_S, offsets_S, mask_SS, start)
         choice_S = io.argmax_Rq[0] if temperature == 0 else choose(io.logits_RqV[0], temperature, generator)
@@ -104,4 +96,4 @@ target_decode for a last round that can commit one token only)."""
     return Generation(tokens, seconds, steps)
 
 
-__all__ = ["tree_generate", "draft_tree", "check_tree_participant"]
+__all__ = ["tree_generate", "check_tree_participant"]
