@@ -160,11 +160,11 @@ class SecondGuess(Steered):
         return logits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
-def test_fp32_graphed_tree_decoding_equals_generate(kind):
+@pytest.mark.parametrize("kind,budget", [("llama", 8), ("qwen3", 8), ("gemma3", 8), ("llama", 256)])
+def test_fp32_graphed_tree_decoding_equals_generate(kind, budget):
     model, drafter, layers, B = on_device(tiny_causal_lm(kind)), tiny_drafter([0, 1]).to(DEVICE), [0, 1], 4
     prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
-    N, budget = 48, 8
+    N = 48
     want = hf_greedy(model, prompt, N)
     max_len = len(prompt) + N + budget + 1
     target = GraphedTarget(model, layers, max_len=max_len, block_size=B)

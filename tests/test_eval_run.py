@@ -336,6 +336,44 @@ class SecondGuessOracle:
         return logits
 
 
+class SharpOracle:
+    """Drafts `sequence` sharply over noise: the right token of a slot is the first guess, or (30% of the
+    slots) the second behind a wrong one, so a large budget holds paths down to the block's last slot."""
+
+    def __init__(self, sequence: list[int], vocab: int, block_size: int, seed: int = 0):
+        self.sequence, self.vocab, self.block_size = list(sequence), vocab, block_size
+        self.g = torch.Generator().manual_seed(seed)
+
+    def reset(self) -> None:
+        pass
+
+    def draft(self, context, anchor, start):
+        logits = torch.randn(self.block_size - 1, self.vocab, generator=self.g)
+        for k, right in enumerate(self.sequence[start + 1:start + self.block_size]):
+            logits[k, right] = 16.0
+            if float(torch.rand(1, generator=self.g)) < 0.3:
+                logits[k, (right + 7) % self.vocab] = 16.5
+        return logits
+
+
+def test_budget_256_trees_of_full_depth_are_exact_on_the_real_target(smollm_model, smollm_tokenizer):
+    """Block 16, budget 256 (a verify step of 257 slots, second guesses at every depth) on the real
+    SmolLM2-135M in fp32: paths reach the block's last slot and the output is plain greedy decoding."""
+    from test_eval import chat_ids
+
+    V, D, L = smollm_model.config.vocab_size, 15, 40
+    ids = chat_ids(smollm_tokenizer, "Write a python function that sorts a list.")
+    target = GraphedTarget(smollm_model, [], max_len=len(ids) + L + 260, block_size=D + 1)
+    try:
+        base = target_generate(target, ids, max_new_tokens=L, temperature=0.0, stop_ids=frozenset())
+        tree = tree_generate(target, SharpOracle(ids + base.tokens, V, D + 1), ids, budget=256, max_new_tokens=L,
+                             temperature=0.0, stop_ids=frozenset())
+    finally:
+        target.close()
+    assert tree.tokens == base.tokens
+    assert max(s.accepted for s in tree.steps) == D
+
+
 def test_tree_budgets_on_the_real_target_in_fp32(tmp_path, smollm_dir, smollm_model, smollm_tokenizer):
     """The real SmolLM2-135M in fp32: tree decoding is plain greedy decoding token for token; a drafter
     whose right token is its second guess at slot 1 never gets past it as a chain and commits long paths
