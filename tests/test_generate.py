@@ -380,3 +380,40 @@ def test_extract_masks_with_the_template_kwargs_the_replies_were_generated_with(
         _template_kwargs({"enable_thinking": True}, [prov("g", off)], line)
     with pytest.raises(DFlashError, match="rendered with different --chat-template-kwargs"):
         _template_kwargs({}, [prov("g", off), prov("h", {})], line)
+
+
+def test_a_target_whose_replies_are_all_empty_stops_generate_and_extract_in_one_line(tmp_path, smollm_dir):
+    """A random tiny target that emits only special tokens: every reply decodes to no text. Generate keeps its
+    records and says so with a non-zero exit; extract refuses the output in one line (it used to fail on an
+    empty shard file as 'not a known data format'). A shard emptied this way next to kept ones is skipped."""
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.generate.output import OutputFolder
+    from helpers import make_tiny_target, write_conversations
+
+    target = make_tiny_target(tmp_path / "target", smollm_dir)
+    data = write_conversations(tmp_path / "conv.jsonl", n=6)
+    gen = tmp_path / "gen"
+    res = CliRunner().invoke(app, ["generate", "--data", str(data), "--target", str(target), "--out", str(gen),
+                                   "--max-new-tokens", "4", "--device", "cpu", "--quiet"])
+    lines = [l for l in res.stderr.splitlines() if l.strip() and "Loading weights" not in l]  # transformers' bar
+    assert res.exit_code != 0 and len(lines) == 1 and "no conversation kept: all 6 were dropped (empty: 6)" in lines[0]
+    assert list((gen / "runs").glob("generate-*.json"))  # the run record was written first
+    with pytest.raises(ValueError, match="kept no conversation"):
+        expand_generated_inputs([str(gen)])
+    res = CliRunner().invoke(app, ["extract", "--data", str(gen), "--target", str(target), "--out",
+                                   str(tmp_path / "store"), "--device", "cpu", "--quiet"])
+    lines = [l for l in res.stderr.splitlines() if l.strip() and "Loading weights" not in l]
+    assert res.exit_code != 0 and len(lines) == 1 and "kept no conversation" in lines[0], res.stderr
+
+    run = {"target": {"name_or_path": "t", "config_hash": "c" * 64, "tokenizer_hash": "t" * 64,
+                      "chat_template_hash": "", "architecture": ""},
+           "settings": GenerateConfig(out="o").output_settings(), "shards": [{"shard": 0}, {"shard": 1}]}
+    conv = Conversation("f", 1, 0, "prompt", [_m("user", "q")])
+    out = OutputFolder(tmp_path / "mixed")
+    out.write_plan([[conv], [conv]], run)
+    out.commit_shard(0, [], {"rows": 0}, "jsonl")
+    out.commit_shard(1, [{"messages": [_m("user", "q"), _m("assistant", "b")]}], {"rows": 1}, "jsonl")
+    files, _ = expand_generated_inputs([str(tmp_path / "mixed")])
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["shard-00001.jsonl"]

@@ -272,6 +272,11 @@ def finish(cfg: GenerateConfig, prep: Prepared, results: list[dict[str, Any]], s
     }
     folder.write_run_record(prep.run_id, record)
     line.done("\n".join(summary_lines(record)))
+    if len(committed) == planned and total.conversations and not total.rows:
+        dropped = ", ".join(f"{k}: {v:,}" for k, v in total.dropped.items()) or "none"
+        raise DFlashError(f"{cfg.out}: no conversation kept: all {total.conversations:,} were dropped ({dropped}); "
+                          "replies that decode to no text mean the target emits only special or end tokens: check "
+                          "the target and its chat template before extracting")
     return record
 
 

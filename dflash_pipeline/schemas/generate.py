@@ -178,8 +178,13 @@ def generated_data(folder: str | Path) -> GeneratedData | None:
     if missing:
         raise ValueError(f"{folder}: generation is not finished ({len(missing)} of {len(shards)} shards missing, "
                          f"e.g. {shard_name(missing[0], fmt)}); re-run the same `dflash generate` command to complete it")
-    return GeneratedData(str(folder), [str(folder / shard_name(k, fmt)) for k in shards], run["target"],
-                         run["settings"], len(shards))
+    # A shard whose every conversation was dropped (empty replies) is an empty JSON-lines file: no data.
+    files = [str(folder / shard_name(k, fmt)) for k in shards]
+    kept = [f for f in files if fmt != "jsonl" or Path(f).stat().st_size > 0]
+    if files and not kept:
+        raise ValueError(f"{folder}: `dflash generate` kept no conversation in it (every reply was dropped, "
+                         f"see its summary in {RUN_FILE} and runs/); nothing to extract")
+    return GeneratedData(str(folder), kept, run["target"], run["settings"], len(shards))
 
 
 def expand_generated_inputs(paths: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
