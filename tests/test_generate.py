@@ -279,15 +279,21 @@ def test_generate_config_validation_and_output_diff():
     assert any(d.startswith("chat_template_kwargs") for d in diff)
 
 
-def test_unfinished_generate_output_is_refused_as_input(tmp_path):
+def planned_output(folder):
+    """A generate output folder planned with two shards of one conversation each, none committed yet."""
     from dflash_pipeline.generate.output import OutputFolder
 
     run = {"target": {"name_or_path": "t", "config_hash": "c" * 64, "tokenizer_hash": "t" * 64,
                       "chat_template_hash": "", "architecture": ""},
            "settings": GenerateConfig(out="o").output_settings(), "shards": [{"shard": 0}, {"shard": 1}]}
     conv = Conversation("f", 1, 0, "prompt", [_m("user", "q")])
-    out = OutputFolder(tmp_path / "gen")
+    out = OutputFolder(folder)
     out.write_plan([[conv], [conv]], run)
+    return out
+
+
+def test_unfinished_generate_output_is_refused_as_input(tmp_path):
+    out = planned_output(tmp_path / "gen")
     out.commit_shard(0, [{"messages": [_m("user", "q"), _m("assistant", "a")]}], {"rows": 1}, "jsonl")
     with pytest.raises(ValueError, match=r"not finished \(1 of 2 shards missing, e.g. shard-00001.jsonl\)"):
         expand_generated_inputs([str(tmp_path / "gen")])
@@ -389,7 +395,6 @@ def test_a_target_whose_replies_are_all_empty_stops_generate_and_extract_in_one_
     from typer.testing import CliRunner
 
     from dflash_pipeline.cli import app
-    from dflash_pipeline.generate.output import OutputFolder
     from helpers import make_tiny_target, write_conversations
 
     target = make_tiny_target(tmp_path / "target", smollm_dir)
@@ -407,12 +412,7 @@ def test_a_target_whose_replies_are_all_empty_stops_generate_and_extract_in_one_
     lines = [l for l in res.stderr.splitlines() if l.strip() and "Loading weights" not in l]
     assert res.exit_code != 0 and len(lines) == 1 and "kept no conversation" in lines[0], res.stderr
 
-    run = {"target": {"name_or_path": "t", "config_hash": "c" * 64, "tokenizer_hash": "t" * 64,
-                      "chat_template_hash": "", "architecture": ""},
-           "settings": GenerateConfig(out="o").output_settings(), "shards": [{"shard": 0}, {"shard": 1}]}
-    conv = Conversation("f", 1, 0, "prompt", [_m("user", "q")])
-    out = OutputFolder(tmp_path / "mixed")
-    out.write_plan([[conv], [conv]], run)
+    out = planned_output(tmp_path / "mixed")
     out.commit_shard(0, [], {"rows": 0}, "jsonl")
     out.commit_shard(1, [{"messages": [_m("user", "q"), _m("assistant", "b")]}], {"rows": 1}, "jsonl")
     files, _ = expand_generated_inputs([str(tmp_path / "mixed")])
