@@ -266,6 +266,38 @@ def test_a_template_that_moves_text_falls_back_to_search(smollm_tokenizer):
     assert tok.decode(ids[mask].tolist()) == "3 apples<|im_end|>"
 
 
+@pytest.mark.parametrize("family, template", FAMILY_TEMPLATES, ids=IDS)
+def test_a_reply_cut_at_the_length_limit_does_not_supervise_its_end_of_turn(smollm_tokenizer, family, template):
+    """`dflash generate` marks a reply that stopped at --max-new-tokens (finish "length"): the target never
+    wrote the end of turn the template closes it with, so that token is not a label (a drafter would learn
+    to predict an end where the target goes on). Every other turn, and a reply that stopped, keep theirs."""
+    tok = template_tokenizer(smollm_tokenizer, template)
+    record = plain("2+2 is 4, and 4+4 is")
+    record["dflash"] = {"sample_id": 0, "source": "x:1", "replies": [{"tokens": 7, "finish": "stop"},
+                                                                     {"tokens": 9, "finish": "length"}]}
+    assert readers.reply_cut_off(record)
+    full = check(tok, {"messages": record["messages"]}, {}, template)  # as it stopped: the reference
+    ids, mask = ChatTokenizer(tok).tokens(record_messages(record), None, cut_off=True)
+    dropped = np.flatnonzero(full & ~mask)
+    assert not (mask & ~full).any() and len(dropped) >= 1
+    assert tok.decode(ids[dropped].tolist()).strip() == eot(template)  # the last turn's end of turn, only
+    assert tok.decode(ids[mask].tolist()).endswith("4+4 is")
+    from dflash_pipeline.extract.samples import _sample  # what extract stores for the record as generate wrote it
+    np.testing.assert_array_equal(_sample(ChatTokenizer(tok), 4096, 0, record).sample.loss_mask, mask)
+    stopped = {**record, "dflash": {**record["dflash"], "replies": [{"tokens": 9, "finish": "stop"}]}}
+    assert not readers.reply_cut_off(stopped) and not readers.reply_cut_off({"messages": []})
+
+
+def test_a_cut_reply_under_the_search_fallback(smollm_tokenizer):
+    tok = copy.deepcopy(smollm_tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'][0] in '0123456789' %}"
+                         "Number: {% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "3 apples"},
+                {"role": "user", "content": "More."}, {"role": "assistant", "content": "4 apples and"}]
+    ids, mask = ChatTokenizer(tok).tokens(messages, cut_off=True)
+    assert tok.decode(ids[mask].tolist()) == "3 apples<|im_end|>4 apples and"
+
+
 # ---------------------------------------------------------------- the option
 
 

@@ -172,11 +172,12 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def _assistant_turns(walk: _Walk, probe: str, messages: Messages, facts: _TemplateFacts
-                     ) -> list[tuple[int, int, bool]] | None:
-    """(start, end, open) of each assistant turn's supervised text in the real rendering, found in the
-    marked one: from where the turn departs from the generation prompt to its end-of-turn token (`open`:
-    no such token found, the span ends with the turn's last text). None when a turn's texts are not
-    together (a template that moves text between turns); BadRowError when the template drops a turn."""
+                     ) -> list[tuple[int, int, bool, int]] | None:
+    """(start, end, open, text_end) of each assistant turn's supervised text in the real rendering, found in
+    the marked one: from where the turn departs from the generation prompt to its end-of-turn token (`open`:
+    no such token found, the span ends with the turn's last text, which ends at `text_end`). None when a
+    turn's texts are not together (a template that moves text between turns); BadRowError when the
+    template drops a turn."""
     where: dict[int, list[int]] = {}
     for j, (f, _) in enumerate(walk.fields):
         where.setdefault(f.message, []).append(j)
@@ -200,14 +201,16 @@ def _assistant_turns(walk: _Walk, probe: str, messages: Messages, facts: _Templa
         next_start = walk.fields[b + 1][1] if b + 1 < len(walk.fields) else len(probe)
         e = probe.find(facts.end_of_turn, marks_end[b], next_start) if facts.end_of_turn else -1
         if e >= 0:
-            turns.append((start, walk.to_rendered(e + len(facts.end_of_turn)), False))
+            turns.append((start, walk.to_rendered(e + len(facts.end_of_turn)), False, walk.spans[b][1]))
         else:
-            turns.append((start, walk.spans[b][1], True))
+            turns.append((start, walk.spans[b][1], True, walk.spans[b][1]))
     return turns
 
 
-def _spans_by_search(rendered: str, messages: Messages, special: re.Pattern) -> list[tuple[int, int]]:
-    """Assistant spans [start, end) found by searching each content forward from the previous one.
+def _spans_by_search(rendered: str, messages: Messages, special: re.Pattern, cut_off: bool = False
+                     ) -> list[tuple[int, int]]:
+    """Assistant spans [start, end) found by searching each content forward from the previous one
+    (`cut_off`: the last reply was cut at a length limit, so the end of turn after it is not supervised).
 
     The fallback for templates whose scaffolding depends on the text. Templates may strip content, so
     the stripped text is searched. A very short content can be matched inside template text that
@@ -230,7 +233,8 @@ def _spans_by_search(rendered: str, messages: Messages, special: re.Pattern) -> 
             trail = content[len(content.rstrip()):]
             if trail and rendered.startswith(trail, end):
                 end += len(trail)
-            if eot := special.match(rendered, end):
+            last = not any(x["role"] == "assistant" for x in messages[i:])
+            if not (cut_off and last) and (eot := special.match(rendered, end)):
                 end = eot.end()
             spans.append((start, end))
         cursor = end
@@ -290,24 +294,30 @@ class ChatTokenizer:
         split = render(user + [{"role": "assistant", "reasoning_content": thought, "content": reply}])
         return _TemplateFacts(g, eot.group() if eot else "", inline is not None and inline == split)
 
-    def _spans(self, rendered: str, messages: Messages, tools: Tools) -> list[tuple[int, int]]:
-        """[start, end) in `rendered` of the text the target generates in each assistant turn."""
+    def _spans(self, rendered: str, messages: Messages, tools: Tools, cut_off: bool = False) -> list[tuple[int, int]]:
+        """[start, end) in `rendered` of the text the target generates in each assistant turn; `cut_off`:
+        the last turn's reply was cut at a length limit, so it ends with its text (the target did not write
+        the end of turn the template closes it with)."""
         marked, fields = _marked(messages)
         probe = self._chat(marked, tools)
         walk = _walk(rendered, probe, fields)
         turns = _assistant_turns(walk, probe, messages, self.facts) if walk else None
         if turns is None:
-            return _spans_by_search(rendered, messages, self.special)
+            return _spans_by_search(rendered, messages, self.special, cut_off)
         spans = []
-        for start, end, open_ in turns:
-            if open_ and (eot := self.special.match(rendered, end)):  # <|im_end|>, <|eot_id|>, ...
+        for k, (start, end, open_, text_end) in enumerate(turns):
+            if cut_off and k == len(turns) - 1:
+                end = text_end
+            elif open_ and (eot := self.special.match(rendered, end)):  # <|im_end|>, <|eot_id|>, ...
                 end = eot.end()
             spans.append((start, end))
         return spans
 
-    def tokens(self, messages: Messages | str, tools: Tools = None) -> tuple[np.ndarray, np.ndarray]:
+    def tokens(self, messages: Messages | str, tools: Tools = None, cut_off: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
         """input_ids int32 [T] and loss_mask bool [T] of one record's messages (or plain text) and tool
-        definitions, untruncated. Raises BadRowError."""
+        definitions, untruncated; `cut_off`: the last reply stopped at a length limit (`dflash generate`'s
+        finish "length"), so the end of turn after it is not supervised. Raises BadRowError."""
         # The Rust tokenizer directly: the same ids and offsets as the HF wrapper, without its overhead.
         backend = self.tokenizer.backend_tokenizer
         if isinstance(messages, str):  # plain text: no template, BOS as the tokenizer adds it, all supervised
@@ -318,7 +328,7 @@ class ChatTokenizer:
         if self.facts.splits_think:
             messages = [_split_think(m) for m in messages]
         rendered = self._chat(messages, tools)
-        spans = self._spans(rendered, messages, tools)
+        spans = self._spans(rendered, messages, tools, cut_off)
         # The template writes BOS itself where the model wants one: tokenizing must not add another.
         enc = backend.encode(rendered, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int32)

@@ -423,6 +423,19 @@ def record_tools(record: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+GENERATED_KEY = "dflash"  # what `dflash generate` adds to each output row: sample id, source, its replies
+
+
+def reply_cut_off(record: Any) -> bool:
+    """Whether the record's last reply was cut at `dflash generate`'s token limit (finish "length"): the
+    target did not write the end of turn that the chat template closes that reply with. A cut reply ends
+    its conversation (generate replays no turn after it), so it is always the last assistant turn."""
+    info = record.get(GENERATED_KEY) if isinstance(record, dict) else None
+    replies = info.get("replies") if isinstance(info, dict) else None
+    last = replies[-1] if isinstance(replies, list) and replies else None
+    return isinstance(last, dict) and last.get("finish") == "length"
+
+
 def prompt_messages(record: Any) -> Messages:
     """The conversation before its first reply (what a model is asked to continue). Raises BadRowError,
     also for a `BadRow` in place of the record."""

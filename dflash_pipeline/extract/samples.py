@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash_pipeline.extract.chat import ChatTokenizer
 from dflash_pipeline.extract.readers import (
-    NO_SUPERVISED, BadRow, BadRowError, DataReport, SourceRow, iter_rows, record_messages, record_tools,
+    NO_SUPERVISED, BadRow, BadRowError, DataReport, SourceRow, iter_rows, record_messages, record_tools, reply_cut_off,
 )
 
 _CHUNK_ROWS = 64  # rows per task sent to a worker: large enough to amortise pickling, small for limit
@@ -53,7 +53,7 @@ def _sample(chat: ChatTokenizer, max_length: int, sample_id: int, record: Any) -
     if isinstance(record, BadRow):
         return _Outcome(bad=record)
     try:
-        ids, mask = chat.tokens(record_messages(record), record_tools(record))
+        ids, mask = chat.tokens(record_messages(record), record_tools(record), cut_off=reply_cut_off(record))
     except BadRowError as e:
         return _Outcome(bad=e.bad)
     truncated = len(ids) > max_length

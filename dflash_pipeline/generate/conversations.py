@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.extract.readers import (
-    NO_PROMPT, TOOLS_KEY, BadRow, BadRowError, DataReport, iter_rows, record_messages, record_tools,
+    GENERATED_KEY, NO_PROMPT, TOOLS_KEY, BadRow, BadRowError, DataReport, iter_rows, record_messages, record_tools,
 )
 from dflash_pipeline.schemas.generate import STOP
 
@@ -172,7 +172,7 @@ class Replay:
             row["id"] = self.conv.record_id
         if self.conv.tools:
             row[TOOLS_KEY] = self.conv.tools
-        row["dflash"] = {
+        row[GENERATED_KEY] = {
             "sample_id": self.conv.sample_id,
             "source": f"{self.conv.file}:{self.conv.row}",
             "replies": [{"tokens": r.num_tokens, "finish": r.finish} for r in self.replies],
