@@ -88,6 +88,8 @@ class Plan:
     num_workers: int = 2
     log_every: int = 10
     eval_every: int = 0             # held-out estimate every N steps (0: at each epoch's end), the in-run curve
+    turns: str = "first"            # "all": every exchange of a conversation (about 3x the data of the first
+                                    # ones; with --max-length 3072, as its samples are longer); `inputs` and `data`
     train_jobs: int = 1             # trainings at once: on one H200 three at once ran at 14K tok/s each
                                     # against 48K alone (measured 2026-12-01), so they do not overlap
     eval_jobs: int = 4              # evals at once
@@ -338,7 +340,8 @@ def part_inputs(b: Bench) -> None:
 
     p = b.plan
     t = time.time()
-    rec = {"part": "inputs", "orig": write_first_exchanges(b.data("orig.jsonl"), b.target, p.n, p.max_prompt_tokens),
+    rec = {"part": "inputs", "orig": write_first_exchanges(b.data("orig.jsonl"), b.target, p.n, p.max_prompt_tokens,
+                                                           p.turns),
            "chat_prompts": write_chat_prompts(b.data("prompts-chat.jsonl")),
            "code_prompts": write_code_prompts(b.data("prompts-code.jsonl"))}
     rec.update(seconds=round(time.time() - t, 1), complete=True)
@@ -371,7 +374,7 @@ def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
         out = b.data("regen")
         cmd = b.dflash("generate", "--data", str(orig), "--out", str(out), *b.target_args(), "--limit", str(p.n),
                        "--max-new-tokens", str(p.max_new_tokens), "--max-length", str(p.max_length),
-                       "--temperature", "0", "--turns", "first", "--gpus", "1",
+                       "--temperature", "0", "--turns", p.turns, "--gpus", "1",
                        *(["--batch-tokens", str(p.gen_batch_tokens)] if p.gen_batch_tokens else []),
                        *p.device_args)
         done = b.data("regen.done")
@@ -616,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline", type=float, default=None, help="Seconds from now: no job starts late, running "
                     "ones are stopped (trainings checkpoint; re-run the part to continue).")
     ap.add_argument("--redo", action="store_true", help="Start the given parts over instead of continuing them.")
+    ap.add_argument("--turns", choices=["first", "all"], default=None, help="override the plan's turns: the "
+                    "first exchange of each conversation, or all of them (parts inputs and data)")
     ap.add_argument("--best", default=None, help="The recipe used by variants, curve and online (default: the "
                     "recipes part's winner).")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma list: the recipes part `recipes` trains")
@@ -625,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
     for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile",
-                 "online_steps", "speed_steps", "max_new_tokens", "eval_every", "num_workers"):
+                 "online_steps", "speed_steps", "max_new_tokens", "eval_every", "num_workers", "max_length"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the plan's {name}")
     a = ap.parse_args(argv)
     plan = SMOKE if a.smoke else REAL

@@ -23,8 +23,10 @@ from dflash_pipeline.extract.readers import ROLES, iter_embedded_rows
 _SHAREGPT_NAMES = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
-def first_exchange(record: Any) -> tuple[list[dict[str, str]] | None, str]:
-    """(the system message if any, the first user turn and the reply that follows), or (None, why not)."""
+def first_exchange(record: Any, turns: str = "first") -> tuple[list[dict[str, str]] | None, str]:
+    """(the system message if any, the first user turn and the reply that follows), or (None, why not);
+    turns "all": with every further (user, reply) pair, up to the first pair that breaks the alternation
+    or has an empty side (the rest of a ShareGPT dump's conversation is often cut or out of order)."""
     conv = record.get("conversations") if isinstance(record, dict) else None
     if not isinstance(conv, list) or not conv:
         return None, "no conversation"
@@ -45,25 +47,34 @@ def first_exchange(record: Any) -> tuple[list[dict[str, str]] | None, str]:
     if user + 1 >= len(msgs) or msgs[user + 1][0] != "assistant" or not msgs[user + 1][1].strip():
         return None, "no reply after the first user turn"
     out += [{"from": "human", "value": msgs[user][1]}, {"from": "gpt", "value": msgs[user + 1][1]}]
+    k = user + 2
+    while turns == "all" and k + 1 < len(msgs) and [r for r, _ in msgs[k:k + 2]] == ["user", "assistant"] \
+            and msgs[k][1].strip() and msgs[k + 1][1].strip():
+        out += [{"from": "human", "value": msgs[k][1]}, {"from": "gpt", "value": msgs[k + 1][1]}]
+        k += 2
     return out, ""
 
 
-def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_tokens: int) -> dict[str, Any]:
-    """Write up to `n` first exchanges of the embedded train split as ShareGPT JSONL; statistics."""
+def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_tokens: int,
+                          turns: str = "first") -> dict[str, Any]:
+    """Write up to `n` conversations of the embedded train split as ShareGPT JSONL (their first exchange, or
+    with turns "all" every exchange `first_exchange` keeps); statistics (reply tokens: all replies of one)."""
     from transformers import AutoTokenizer
 
     from dflash_pipeline.extract.target import resolve_target
 
     tok = AutoTokenizer.from_pretrained(resolve_target(target))
     skipped: Counter = Counter()
-    written, read, prompt_tokens, reply_tokens = 0, 0, 0, 0
+    written, read, prompt_tokens, reply_tokens, exchanges = 0, 0, 0, 0, 0
     pending: list[tuple[int, list[dict[str, str]]]] = []
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         def flush() -> None:
-            nonlocal written, prompt_tokens, reply_tokens
-            users = tok([c[-2]["value"] for _, c in pending], add_special_tokens=False)["input_ids"]
-            replies = tok([c[-1]["value"] for _, c in pending], add_special_tokens=False)["input_ids"]
+            nonlocal written, prompt_tokens, reply_tokens, exchanges
+            users = tok([next(m["value"] for m in c if m["from"] == "human") for _, c in pending],
+                        add_special_tokens=False)["input_ids"]
+            replies = tok(["".join(m["value"] for m in c if m["from"] == "gpt") for _, c in pending],
+                          add_special_tokens=False)["input_ids"]
             for (index, conv), u, r in zip(pending, users, replies):
                 if written >= n:
                     break
@@ -74,11 +85,12 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
                 written += 1
                 prompt_tokens += len(u)
                 reply_tokens += len(r)
+                exchanges += sum(m["from"] == "gpt" for m in conv)
             pending.clear()
 
         for index, record in iter_embedded_rows("train"):
             read += 1
-            conv, why = first_exchange(record)
+            conv, why = first_exchange(record, turns)
             if conv is None:
                 skipped[why] += 1
                 continue
@@ -92,7 +104,7 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
     tmp.replace(out)
     return {"file": str(out), "conversations": written, "rows_read": read, "skipped": dict(skipped),
             "mean_prompt_tokens": prompt_tokens / max(written, 1), "mean_reply_tokens": reply_tokens / max(written, 1),
-            "short": written < n}
+            "turns": turns, "mean_exchanges": exchanges / max(written, 1), "short": written < n}
 
 
 def write_chat_prompts(out: Path, n: int | None = None) -> dict[str, Any]:

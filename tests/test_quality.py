@@ -137,6 +137,13 @@ def test_first_exchange_selection():
     assert first_exchange({"conversations": [{"from": "gpt", "value": "x"}]})[0] is None
     assert first_exchange({"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}]})[0] is None
     assert first_exchange({"conversations": [{"from": "robot", "value": "q"}]})[1] == "unknown role"
+    h, g = ({"from": "human", "value": "hi"}, {"from": "human", "value": "more"}), \
+        ({"from": "gpt", "value": "hello"}, {"from": "gpt", "value": "no"})
+    # turns "all": every exchange up to the first that breaks the alternation or is empty
+    assert first_exchange({"conversations": [h[0], g[0], h[1], g[1], h[0]]}, "all")[0] == [h[0], g[0], h[1], g[1]]
+    assert first_exchange({"conversations": [h[0], g[0], h[1], {"from": "gpt", "value": " "}, h[0], g[0]]},
+                          "all")[0] == [h[0], g[0]]
+    assert first_exchange({"conversations": [h[0], g[0], g[1], h[1], g[1]]}, "all")[0] == [h[0], g[0]]
 
 
 def _tiny_dcfg(layer_types, window=None) -> DrafterConfig:
