@@ -320,7 +320,7 @@ def worker_main(proc: Proc, cfg: ExtractConfig, prep: Prepared, line: LiveLine) 
     device = bind_device(proc, cfg.gpus_per_replica)
     line.say(f"loading target {prep.target_path} ({cfg.dtype}) on {len(devices or [0])} {kind} device(s) "
              f"x {world} process(es) ...")
-    model = load_target(prep.target_path, DTYPES[cfg.dtype], device, devices)
+    model = load_target(prep.target_path, DTYPES[cfg.dtype], device, devices, quiet=cfg.quiet)
     runner = TargetRunner(model, meta.layer_ids, meta.topk, cfg.logit_chunk_tokens)
     writer = StoreWriter(cfg.out, meta, codec=prep.codec, create=False)
     if write_target:

@@ -137,9 +137,14 @@ class right_padded_batch:
 
 
 def load_target(path: Path | str, dtype: torch.dtype, device: torch.device | str | None = None,
-                replica_devices: list[int] | None = None):
-    """Load the target for inference. `replica_devices` splits it over several GPUs of this process."""
+                replica_devices: list[int] | None = None, quiet: bool = False):
+    """Load the target for inference. `replica_devices` splits it over several GPUs of this process;
+    `quiet`: without transformers' weight-loading progress bar (a command's --quiet)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if quiet:
+        hf_logging.disable_progress_bar()
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if replica_devices and len(replica_devices) > 1:

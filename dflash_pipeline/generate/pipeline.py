@@ -177,7 +177,7 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine)
     device = bind_device(proc)
     kind, world = proc.kind, proc.world
     line.say(f"loading target {prep.target_path} ({cfg.dtype}) on {kind} x {world} process(es) ...")
-    model = load_target(prep.target_path, DTYPES[cfg.dtype], device)
+    model = load_target(prep.target_path, DTYPES[cfg.dtype], device, quiet=cfg.quiet)
     tokenizer = AutoTokenizer.from_pretrained(prep.target_path)
     stop_ids = stop_token_ids(tokenizer, model)
     total = sum(s["conversations"] for s in prep.run["shards"] if s["shard"] in set(mine))
