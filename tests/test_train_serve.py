@@ -8,7 +8,7 @@ prompts. What would break it, and how this test was first run to find out: featu
 positions than eval feeds the drafter, anchors or labels shifted by one, a stored reply that is not what
 the target generates from its stored prompt (a reply cut at --max-new-tokens used to carry the end-of-turn
 token the template closes it with, a label the target never writes: 24 of 32 replies failed this check
-before that was fixed).
+on that token alone before that was fixed).
 
 The drafter is trained on these very sequences (1 layer, 150 steps, CPU): it only has to accept often
 enough for the walk to be a real test, not to generalise. Features: the store keeps them in bf16, eval
