@@ -17,7 +17,8 @@
 #   call 5                   bash bench/quality_gpu.sh run specforge online summary
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
 # resume from their SIGTERM checkpoints, finished runs and evals are skipped).
-# env: DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
+# env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT, weights in 15 MiB parts),
+#      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke)
 set -uo pipefail
@@ -68,6 +69,12 @@ run)
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
       runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
       runs/*/final/config.json 2>/dev/null)
+    if [ -n "${KEEP_DRAFTER:-}" ] && [ -d "$root/runs/$KEEP_DRAFTER/final" ]; then
+      # A drafter back to this machine (e.g. to study its held-out estimate on the CPU): files come back at
+      # most 16 MiB each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
+      cp "$root/runs/$KEEP_DRAFTER/final/"*.json $OUT/ 2>/dev/null
+      split -b 15m "$root/runs/$KEEP_DRAFTER/final/"*.safetensors $OUT/drafter-part-
+    fi
     ls -la $OUT
   fi
   df -h /tmp | tail -1
