@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from dflash_pipeline.extract.readers import GENERATED_KEY
 from dflash_pipeline.generate.conversations import Conversation, conversation_from_json, conversation_to_json
 from dflash_pipeline.schemas.generate import (
     RUN_FILE, RUNS_DIR, SHARD_FILE, commit_name, plan_name, read_run_file, shard_name,
@@ -51,7 +52,7 @@ def _parquet(rows: list[dict[str, Any]]) -> bytes:
         ("conversations", turn("from", "value")),
         ("messages", turn("role", "content")),
         ("id", pa.string()),  # ids of any JSON type, as text: one column type for every row
-        ("dflash", pa.struct([("sample_id", pa.int64()), ("source", pa.string()),
+        (GENERATED_KEY, pa.struct([("sample_id", pa.int64()), ("source", pa.string()),
                               ("replies", pa.list_(pa.struct([("tokens", pa.int64()), ("finish", pa.string())])))])),
     ])
     columns = {name: [r.get(name) for r in rows] for name in schema.names}

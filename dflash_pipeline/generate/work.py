@@ -94,7 +94,8 @@ class ShardWork:
     """The `RequestSource` of one process: requests from its shards, shards committed as they finish."""
 
     def __init__(self, shards: list[int], load: Callable[[int], list], commit: Callable[[int, list, ShardCounts], None],
-                 render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], np.ndarray], decode: Callable[[list[int]], str], *,
+                 render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], np.ndarray],
+                 decode: Callable[[list[int]], str], *,
                  stop_ids: frozenset[int], capacity: int, max_new_tokens: int, seed: int, turns: str):
         self.todo = deque(shards)
         self.load, self.commit, self.render, self.decode = load, commit, render, decode

@@ -163,6 +163,12 @@ def read_run_file(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def _shard_rows(folder: Path, shard: int) -> int | None:
+    """Rows a committed shard holds, from its commit record (None where the record does not say)."""
+    path = folder / commit_name(shard)
+    return json.loads(path.read_text()).get("rows") if path.is_file() else None
+
+
 def generated_data(folder: str | Path) -> GeneratedData | None:
     """The finished output of `dflash generate` in `folder`, or None if it is not such a folder.
 
@@ -178,10 +184,9 @@ def generated_data(folder: str | Path) -> GeneratedData | None:
     if missing:
         raise ValueError(f"{folder}: generation is not finished ({len(missing)} of {len(shards)} shards missing, "
                          f"e.g. {shard_name(missing[0], fmt)}); re-run the same `dflash generate` command to complete it")
-    # A shard whose every conversation was dropped (empty replies) is an empty JSON-lines file: no data.
-    files = [str(folder / shard_name(k, fmt)) for k in shards]
-    kept = [f for f in files if fmt != "jsonl" or Path(f).stat().st_size > 0]
-    if files and not kept:
+    # A shard whose every conversation was dropped (empty replies) holds no row (its commit record says so).
+    kept = [str(folder / shard_name(k, fmt)) for k in shards if _shard_rows(folder, k) != 0]
+    if shards and not kept:
         raise ValueError(f"{folder}: `dflash generate` kept no conversation in it (every reply was dropped, "
                          f"see its summary in {RUN_FILE} and runs/); nothing to extract")
     return GeneratedData(str(folder), kept, run["target"], run["settings"], len(shards))
