@@ -25,13 +25,18 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-def train_speed(run_dir: Path) -> float | None:
-    """Median input tokens/s of a run's logged intervals after the first (start-up, compilation)."""
+def metrics(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    """A run's records of one type ("train", "eval") from its metrics.jsonl; [] where it has none."""
     try:
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     except OSError:
-        return None
-    tok = sorted(r["input_tok_s"] for r in [r for r in recs if r.get("type") == "train"][1:])
+        return []
+    return [r for r in recs if r.get("type") == kind]
+
+
+def train_speed(run_dir: Path) -> float | None:
+    """Median input tokens/s of a run's logged intervals after the first (start-up, compilation)."""
+    tok = sorted(r["input_tok_s"] for r in metrics(run_dir, "train")[1:])
     return tok[len(tok) // 2] if tok else None
 
 
@@ -159,11 +164,7 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
 
 def in_run_evals(run_dir: Path) -> list[dict[str, Any]]:
     """The held-out estimates a run logged while it trained (`--eval-every`, or each epoch's end)."""
-    try:
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    except OSError:
-        return []
-    by_step = {r["step"]: r for r in recs if r.get("type") == "eval" and "step" in r}
+    by_step = {r["step"]: r for r in metrics(run_dir, "eval") if "step" in r}
     return [by_step[k] for k in sorted(by_step)]
 
 
