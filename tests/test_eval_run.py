@@ -336,16 +336,13 @@ class SecondGuessOracle:
         return logits
 
 
-class SharpOracle:
+class SharpOracle(SecondGuessOracle):
     """Drafts `sequence` sharply over noise: the right token of a slot is the first guess, or (30% of the
     slots) the second behind a wrong one, so a large budget holds paths down to the block's last slot."""
 
     def __init__(self, sequence: list[int], vocab: int, block_size: int, seed: int = 0):
-        self.sequence, self.vocab, self.block_size = list(sequence), vocab, block_size
+        super().__init__(sequence, vocab, block_size)
         self.g = torch.Generator().manual_seed(seed)
-
-    def reset(self) -> None:
-        pass
 
     def draft(self, context, anchor, start):
         logits = torch.randn(self.block_size - 1, self.vocab, generator=self.g)
