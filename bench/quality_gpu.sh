@@ -63,7 +63,7 @@ run)
   $py bench/quality.py "$@" --root $root --target $gguf --deadline "${DEADLINE:-500}" ${Q_ARGS:-} 2>&1 | tee -a $root/log.txt
   rc=${PIPESTATUS[0]}
   if [ -n "${OUT:-}" ]; then
-    $py bench/quality.py summary --root $root --target $gguf > /dev/null 2>&1
+    $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
     cp $root/summary.md $OUT/ 2>/dev/null
     tail -c 4000000 $root/log.txt > $OUT/log.txt
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
