@@ -5,7 +5,8 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         tree tree-eval (default: all but replica, ddp, disk, attention, tree and tree-eval, in that order)
+#         tree tree-eval extract-hybrid (default: all but replica, ddp, disk, attention, tree, tree-eval and
+#         extract-hybrid, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -20,6 +21,8 @@
 #         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
 #         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
 #         GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
+#         HYBRID_LAYERS, HYBRID_TOKENS, FLA_SITE (extract-hybrid: layers, tokens, a folder with
+#         flash-linear-attention installed)
 #         SMOKE=1: tiny shapes on the CPU, to check this script before GPU time is spent on it
 #
 # Run `python bench/assets.py` once first (it puts the tokenizer files into .bench_assets/).
@@ -70,6 +73,19 @@ for p in $parts; do
       ${EXTRA_BATCH_TOKENS:+--extra-batch-tokens "$EXTRA_BATCH_TOKENS"} \
       ${PROFILE_WINDOW:+--profile-window "$PROFILE_WINDOW" --profile-dir "$out"} ${EXTRACT_ARGS:-} --keep \
       --json "$out/extract.json" "${smoke[@]}" ;;
+  extract-hybrid)
+    # A random Qwen3.5-27B-shaped hybrid target (HYBRID_LAYERS of its 64 layers, default 8): extraction cold,
+    # then again in the same process with every batch shape met (--repeat), against the bare and whole
+    # forward; once on the image's own Gated DeltaNet path and, when FLA_SITE names a folder where
+    # flash-linear-attention is installed (pip install --target), once with it.
+    for site in "" ${FLA_SITE:-}; do
+      tag=image
+      [ -n "$site" ] && tag=fla
+      PYTHONPATH="${site:+$site:}${PYTHONPATH:-}" part "extract-hybrid-$tag" "${LIMIT_EXTRACT:-300}" "$py" bench/extract.py \
+        --tokenizer "$tok" --work "$work/hybrid" --shape qwen3.5-27b --num-layers "${HYBRID_LAYERS:-8}" \
+        --tokens "${HYBRID_TOKENS:-160000}" --codecs bf16 --skip compute --repeat \
+        --json "$out/extract-hybrid-$tag.json" "${smoke[@]}"
+    done ;;
   attention)
     # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
     part attention 120 "$py" bench/attention.py --json "$out/attention.json" "${smoke[@]}" ;;
