@@ -5,8 +5,8 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         tree tree-eval extract-hybrid (default: all but replica, ddp, disk, attention, tree, tree-eval and
-#         extract-hybrid, in that order)
+#         tree tree-eval extract-hybrid eval-check profile-decode (default: all but replica, ddp, disk,
+#         attention, tree, tree-eval, extract-hybrid, eval-check and profile-decode, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -17,7 +17,7 @@
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP,
-#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL: seconds per part
+#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL, LIMIT_EVAL_CHECK: seconds per part
 #         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
 #         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
 #         GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
@@ -85,6 +85,18 @@ for p in $parts; do
         --tokenizer "$tok" --work "$work/hybrid" --shape qwen3.5-27b --num-layers "${HYBRID_LAYERS:-8}" \
         --tokens "${HYBRID_TOKENS:-160000}" --codecs bf16 --skip compute --repeat \
         --json "$out/extract-hybrid-$tag.json" "${smoke[@]}"
+    done ;;
+  eval-check)
+    # `dflash eval`'s lossless check per dtype (bf16 ties listed with their margins, fp32 exact) and, with
+    # 2+ GPUs, the prompts divided over every GPU against one.
+    part eval-check "${LIMIT_EVAL_CHECK:-300}" "$py" bench/eval_check.py --tokenizer "$tok" --work "$work/eval-check" \
+      --json "$out/eval-check.json" "${smoke[@]}" ;;
+  profile-decode)
+    # The kernels of one graphed decode step by GPU time, SmolLM2 and Qwen3-8B shapes (where the 8B step's
+    # 3.3x over its bandwidth bound goes).
+    for shape in smollm2 qwen3-8b; do
+      part "profile-decode-$shape" 180 "$py" bench/profile_decode.py --shape "$shape" \
+        --json "$out/profile-decode-$shape.json" "${smoke[@]}"
     done ;;
   attention)
     # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
