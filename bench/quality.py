@@ -77,7 +77,9 @@ class Plan:
     sliding_window: int = 512       # of the seed configuration's sliding layers (samples <= max_length)
     eval_prompts: int = 24          # held-out chat prompts (the embedded eval split)
     code_prompts: int = 12          # HumanEval prompts
-    eval_new_tokens: int = 192
+    eval_new_tokens: int = 192      # each eval prompt's new tokens, and the training estimate's walk per reply
+                                    # (`dflash train --eval-new-tokens`): est and real at equal length (whole
+                                    # replies of up to 384 tokens read ~20% above their first 192, 2026-12-01)
     eval_compile: int = 0           # 1: the alone eval (the speedup) with `dflash eval --compile`: the first run's
                                     # drafter step (5 SmolLM2-width layers) took 1.65 ms, 0.33 ms per layer against
                                     # the target's 0.11, and compiling fuses its small kernels
@@ -226,7 +228,7 @@ class Bench:
         kw = {"steps": steps, "num_layers": p.num_layers, "tokens_per_batch": p.tokens_per_batch,
               "max_length": p.row_len, "max_anchors": p.max_anchors, "log_every": p.log_every,
               "num_workers": p.num_workers, "eval_fraction": p.eval_fraction, "save_every": 0,
-              "eval_every": p.eval_every,
+              "eval_every": p.eval_every, "eval_new_tokens": p.eval_new_tokens,
               **self.recipe_args(recipe)}
         return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 

@@ -460,6 +460,45 @@ def test_tree_estimate_equals_building_and_walking_each_tree():
     assert taus[0] < taus[4] < taus[16] <= taus[40]  # more budget, more accepted (this drafter)
 
 
+def decode_each_reply(accepted, mask, max_new_tokens):
+    """Rounds and committed tokens of decoding each supervised span as its own generation of at most
+    max_new_tokens tokens (0: to its end), the naive way: the prefill writes the first token, each round
+    takes accepted + 1 tokens, the last round only what the limit leaves."""
+    rounds = committed = 0
+    spans, start = [], None
+    for q, m in enumerate(list(mask) + [False]):
+        if m and start is None:
+            start = q
+        elif not m and start is not None:
+            spans.append((start, q - 1))
+            start = None
+    for s, e in spans:
+        limit = e - s + 1 if max_new_tokens == 0 else min(max_new_tokens, e - s + 1)
+        generated, pos = 1, s
+        while generated < limit:
+            take = min(max(int(accepted[pos]), 0) + 1, limit - generated)
+            rounds, committed, generated, pos = rounds + 1, committed + take, generated + take, pos + take
+    return rounds, committed
+
+
+@pytest.mark.parametrize("new_tokens", [0, 1, 2, 3, 8, 40])
+def test_walk_with_a_token_limit_is_decoding_each_reply_to_that_limit(new_tokens):
+    # the estimate's walk, cut at `--eval-new-tokens` N, commits what `dflash eval --max-new-tokens N` would
+    T = 300
+    tokens, mask, cands = random_sequence(T, 9, 21)
+    g = np.random.default_rng(3)
+    accepted = np.full(T, -1)
+    for p in np.nonzero(cands.numpy())[0]:
+        span_left = int(np.argmin(np.append(mask.numpy()[p + 1:], False)))  # supervised tokens after p
+        accepted[p] = min(int(g.geometric(0.35)) - 1, span_left)
+    got = walk_sequence(accepted, cands.numpy(), new_tokens)
+    assert got == decode_each_reply(accepted, mask.numpy(), new_tokens)
+    if new_tokens:
+        whole = walk_sequence(accepted, cands.numpy())
+        assert got[1] <= whole[1]  # never more tokens than the whole replies hold
+    assert walk_sequence(accepted, cands.numpy(), T) == walk_sequence(accepted, cands.numpy())
+
+
 def test_budget_zero_is_the_greedy_chain_estimate():
     T, V, D = 200, 20, 7
     tokens, mask, cands = random_sequence(T, V, 12)
@@ -566,7 +605,9 @@ def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tm
                       max_anchors=7, loss_chunk=64, device=torch.device("cpu"), autocast=False, tree_budgets=budgets)
     res = heldout_estimate(model, held)
 
-    sums, deepest = {b: [0, 0] for b in budgets}, 0
+    N = 6  # --eval-new-tokens: the same walks, each reply cut at N tokens
+    cut = heldout_estimate(model, HeldoutSet(**{**held.__dict__, "new_tokens": N}))
+    sums, cut_sums, deepest = {b: [0, 0] for b in budgets}, {b: [0, 0] for b in budgets}, 0
     for row in range(reader.num_samples):
         s = reader.read_sample(row, layers=cfg.target_layer_ids)
         tokens, mask = torch.from_numpy(s.tokens_T.astype(np.int64)), torch.from_numpy(s.loss_mask_T)
@@ -590,8 +631,13 @@ def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tm
             rounds, committed = walk_sequence(accepted[b], cands.numpy())
             sums[b][0] += rounds
             sums[b][1] += committed
+            rounds, committed = decode_each_reply(accepted[b], mask.numpy(), N)
+            cut_sums[b][0] += rounds
+            cut_sums[b][1] += committed
     for b in budgets:
         assert res[f"tau_tree_{b}"] == sums[b][1] / sums[b][0], b
+        assert cut[f"tau_tree_{b}"] == cut_sums[b][1] / cut_sums[b][0], b
+    assert cut["tau_chain"] == cut["tau_tree_0"] and cut["loss"] == res["loss"]
     assert res["tau_tree_0"] == res["tau_chain"]
     assert res["tau_tree_0"] < res["tau_tree_16"] <= res["tau_tree_150"]
     assert deepest >= 2  # trees accepted more than one draft somewhere
@@ -621,6 +667,11 @@ def test_eval_tree_budget_option():
             assert seen[-1].output.eval_tree_budget == want
         res = CliRunner().invoke(app, ["train", "--store", "s", "--out", "o", "--eval-tree-budget", "-1"])
         assert res.exit_code == 2 and "distinct budgets >= 0" in res.stderr and "\n" not in res.stderr.strip()
+        assert seen[-1].output.eval_new_tokens == 0  # whole replies by default
+        res = CliRunner().invoke(app, ["train", "--store", "s", "--out", "o", "--eval-new-tokens", "384"])
+        assert res.exit_code == 0 and seen[-1].output.eval_new_tokens == 384, res.output
+        res = CliRunner().invoke(app, ["train", "--store", "s", "--out", "o", "--eval-new-tokens", "-1"])
+        assert res.exit_code == 2 and "--eval-new-tokens must be >= 0" in res.stderr and "\n" not in res.stderr.strip()
     finally:
         mp.undo()
 

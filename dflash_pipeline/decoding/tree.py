@@ -339,24 +339,44 @@ def walk(tree: Tree, choice_S: torch.Tensor) -> tuple[torch.Tensor, int]:
 # ---------------------------------------------------------------- along a held-out sequence
 
 
-def walk_sequence(accepted_T: np.ndarray, candidates_T: np.ndarray) -> tuple[int, int]:
+def walk_sequence(accepted_T: np.ndarray, candidates_T: np.ndarray, new_tokens: int = 0) -> tuple[int, int]:
     """(rounds, tokens committed) of decoding along one reference sequence: accepted_T[p] drafts are
     accepted from anchor p, so a round commits accepted + 1 tokens and the next anchor is p + accepted + 1.
 
     A position that cannot be an anchor (the end of an assistant turn) ends a generation; the walk resumes
     at the next candidate, as a new generation would (the same walk as training's greedy-chain estimate).
+    A generation runs over a run of candidates s..e-1: s is its first reply token, which the target's
+    prefill writes, e its last (the end of turn, or where the reply was cut), after which it commits
+    nothing, however many drafts were right (the reply has ended). `new_tokens` N > 0 ends each
+    generation after N tokens, as decoding with `max_new_tokens` N does: anchors only up to its (N-1)-th
+    token and the last round commits only what is left, so a generation of N tokens commits N - 1
+    (eval's tau is (tokens - 1) / rounds too).
     """
     T = len(accepted_T)
+    cands = np.asarray(candidates_T, dtype=bool).copy()
+    end = np.zeros(T, dtype=np.int64)  # per candidate: where its generation's last token is
+    p = 0
+    while p < T:
+        if not cands[p]:
+            p += 1
+            continue
+        e = p
+        while e < T and cands[e]:
+            e += 1  # the run p..e-1; its last token is at e
+        last = e if new_tokens <= 0 else min(e, p + new_tokens - 1)
+        end[p:e] = last
+        cands[p:e] &= np.arange(p, e) < last
+        p = e
     next_cand = np.full(T + 1, T, dtype=np.int64)
     for p in range(T - 1, -1, -1):
-        next_cand[p] = p if candidates_T[p] else next_cand[p + 1]
+        next_cand[p] = p if cands[p] else next_cand[p + 1]
     rounds = committed = 0
     p = next_cand[0]
     while p < T:
-        n = max(int(accepted_T[p]), 0)
+        n = min(max(int(accepted_T[p]), 0) + 1, int(end[p]) - p)
         rounds += 1
-        committed += n + 1
-        p = next_cand[min(p + n + 1, T)]
+        committed += n
+        p = next_cand[min(p + n, T)]
     return rounds, committed
 
 
@@ -377,14 +397,15 @@ def reference_depths(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, referenc
 
 
 def tree_estimate(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, reference_AD: torch.Tensor,
-                  anchors_A: torch.Tensor, candidates_T: torch.Tensor, budgets: Sequence[int]) -> dict[int, tuple[int, int]]:
+                  anchors_A: torch.Tensor, candidates_T: torch.Tensor, budgets: Sequence[int],
+                  new_tokens: int = 0) -> dict[int, tuple[int, int]]:
     """{budget: (rounds, tokens committed)} of tree decoding along one held-out sequence.
 
     logprobs_ADK / ids_ADK: the drafter's top-K of slots 1..D at each anchor (best first; K >= the largest
     budget for the exact tree; -inf log-probs for slots that have no logits); reference_AD: the sequence's
     tokens at anchor + 1 .. anchor + D, negative where not supervised; anchors_A: their positions;
     candidates_T: bool, positions that can be anchors. Budget 0 is the chain (training's `tau_chain`).
-    Sum rounds and tokens over sequences (and ranks); tau = tokens / rounds.
+    Sum rounds and tokens over sequences (and ranks); tau = tokens / rounds. new_tokens: as `walk_sequence`.
     """
     T = int(candidates_T.shape[0])
     cands = candidates_T.cpu().numpy().astype(bool)
@@ -393,7 +414,7 @@ def tree_estimate(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, reference_A
     for budget in budgets:
         accepted = np.full(T, -1, dtype=np.int64)
         accepted[at] = reference_depths(logprobs_ADK, ids_ADK, reference_AD, int(budget)).cpu().numpy()
-        out[int(budget)] = walk_sequence(accepted, cands)
+        out[int(budget)] = walk_sequence(accepted, cands, new_tokens)
     return out
 
 

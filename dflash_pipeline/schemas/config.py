@@ -217,6 +217,7 @@ class OutputConfig:
     eval_every: int = 0                  # 0: at the end of each epoch only
     eval_max_samples: int = 256
     eval_tree_budget: list[int] = field(default_factory=lambda: [16, 64])  # tau_tree_N of the held-out estimate
+    eval_new_tokens: int = 0             # the estimate walks this many tokens of each reply (0: all of it)
     save_every: int = 500
     keep_checkpoints: int = 2
     resume: bool = False
@@ -229,6 +230,8 @@ class OutputConfig:
         for name in ("log_every", "keep_checkpoints", "eval_max_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.eval_new_tokens < 0:
+            raise ValueError(f"--eval-new-tokens must be >= 0 (0: whole replies), got {self.eval_new_tokens}")
         self.eval_tree_budget = [int(b) for b in self.eval_tree_budget]
         if min(self.eval_tree_budget, default=0) < 0 or len(set(self.eval_tree_budget)) != len(self.eval_tree_budget):
             raise ValueError(f"--eval-tree-budget takes distinct budgets >= 0 (0: the chain; 'none' for no tree "

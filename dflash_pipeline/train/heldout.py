@@ -50,6 +50,8 @@ class HeldoutSet:
     autocast: bool
     world: int = 1              # ranks whose sums are added together (all-reduce) before the ratios
     tree_budgets: tuple[int, ...] = ()  # tree estimate budgets (tau_tree_N); () skips it
+    new_tokens: int = 0         # walk at most this many tokens of each reply, as `dflash eval --max-new-tokens`
+                                # decodes (0: whole replies; later tokens of a long reply are often easier)
 
 
 def _sample_batch(held: HeldoutSet, row: int) -> tuple[Batch, torch.Tensor]:
@@ -99,14 +101,14 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
             v[7 + B:7 + 2 * B] += out.count_B.double()
             v[7 + 2 * B:tree_at] += out.topk_correct_JB.flatten().double()
             runs[anchors[0].numpy()] = out.run_RA[0].cpu().numpy()
-        steps, committed = walk_sequence(runs, cands.numpy())
+        steps, committed = walk_sequence(runs, cands.numpy(), held.new_tokens)
         v[4] += steps
         v[5] += committed
         v[6] += 1
         if budgets and len(idx):
             lp, ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in
                             ("logprobs_RAmK", "ids_RAmK", "reference_RAm"))
-            est = tree_estimate(lp, ids, ref, idx, cands, budgets)
+            est = tree_estimate(lp, ids, ref, idx, cands, budgets, held.new_tokens)
             for i, b in enumerate(budgets):
                 v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(est[b], dtype=torch.float64, device=device)
     if held.world > 1:

@@ -292,7 +292,7 @@ class Trainer:
             reader=self.reader, rows=self.eval_rows[proc.rank::proc.world], frozen=self.frozen, drafter=self.dcfg,
             gamma=self.gamma, max_anchors=cfg.loss.max_anchors, loss_chunk=cfg.runtime.loss_chunk,
             device=self.device, autocast=self.autocast, world=proc.world,
-            tree_budgets=tuple(cfg.output.eval_tree_budget))
+            tree_budgets=tuple(cfg.output.eval_tree_budget), new_tokens=cfg.output.eval_new_tokens)
         self.model.train()
 
     @contextlib.contextmanager
