@@ -238,8 +238,14 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     run("ce@orig", "orig-bf16", 1.5, {"chat@0": 1.5})
     run("ce@fp8", "regen-fp8", 3.5, {"chat@0": 2.97})
     b.eval_file("ce", "chat", 0.0, alone=True).write_text(json.dumps({"tau": 3.0, "speedup": 1.8}))
-    b.write("recipes", {"best": quality.best_run(b, fresh=True)})
+    # what the parts ran with, as their records say, not this (later) invocation's plan
+    b.write("recipes", {"best": quality.best_run(b, fresh=True), "plan": {"steps": 2000}})
+    b.write("inputs", {"orig": {"conversations": 6000, "turns": "all", "mean_exchanges": 3.66}})
+    b.write("data", {"plan": {"max_new_tokens": 384, "turns": "all"}})
     md, rec = build_summary(b)
+    assert "## Recipes on the regenerated bf16 store, 2000 steps each" in md
+    assert "6000 conversations of the embedded ShareGPT train split, every exchange (mean 3.66" in md
+    assert "up to 384 new tokens" in md
     assert rec["best"] == "ce"   # the highest real tau, not the highest estimate
     goals = {g["goal"]: g for g in rec["goals"]}
     assert goals["real tau (T=0, block 16, chat) >= 3.0"]["met"]
