@@ -638,6 +638,8 @@ def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tm
         assert res[f"tau_tree_{b}"] == sums[b][1] / sums[b][0], b
         assert cut[f"tau_tree_{b}"] == cut_sums[b][1] / cut_sums[b][0], b
     assert cut["tau_chain"] == cut["tau_tree_0"] and cut["loss"] == res["loss"]
+    assert render_eval_line({**cut, "step": 1}).endswith(f"samples, first {N} tokens of each reply)")
+    assert render_eval_line({**res, "step": 1}).endswith(" samples)") and res["new_tokens"] == 0
     assert res["tau_tree_0"] == res["tau_chain"]
     assert res["tau_tree_0"] < res["tau_tree_16"] <= res["tau_tree_150"]
     assert deepest >= 2  # trees accepted more than one draft somewhere

@@ -126,6 +126,7 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
            for i, b in enumerate(budgets)},
         "samples": int(v[6]),
         "blocks": int(v[3]),
+        "new_tokens": held.new_tokens,               # the taus' walk length per reply (0: whole replies)
     }
 
 

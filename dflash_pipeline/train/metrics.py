@@ -110,7 +110,8 @@ def render_eval_line(res: dict[str, Any]) -> str:
     trees = [(k.removeprefix("tau_tree_"), v) for k, v in res.items() if k.startswith("tau_tree_")]
     tree = (" tree tau " + ", ".join(f"{v:.2f} @ {n}" for n, v in trees)) if trees else ""
     return (f"eval @ step {res['step']}: loss {res['loss']:.3f} acc {res['acc']:.3f} "
-            f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f}{tree} ({res['samples']} samples)")
+            f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f}{tree} ({res['samples']} samples"
+            + (f", first {res['new_tokens']} tokens of each reply)" if res.get("new_tokens") else ")"))
 
 
 class Trackers:
