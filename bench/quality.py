@@ -83,6 +83,10 @@ class Plan:
     eval_compile: int = 0           # 1: the alone eval (the speedup) with `dflash eval --compile`: the first run's
                                     # drafter step (5 SmolLM2-width layers) took 1.65 ms, 0.33 ms per layer against
                                     # the target's 0.11, and compiling fuses its small kernels
+    eval_trees: str = ""            # "16,64": the chat T=0 evals (shared and alone) also verify trees of these
+                                    # budgets (`dflash eval --tree-budget 0,16,64`), and the runs' held-out
+                                    # estimate walks the same budgets (`--eval-tree-budget`): real tree tau and
+                                    # speedup next to the estimate, per drafter (issue 18's block 32 / 16 question)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     speed_steps: int = 120          # `dflash train` alone, for the step time against SpecForge
     online_steps: int = 100         # timed steps per mode of the online part
@@ -229,7 +233,7 @@ class Bench:
               "max_length": p.row_len, "max_anchors": p.max_anchors, "log_every": p.log_every,
               "num_workers": p.num_workers, "eval_fraction": p.eval_fraction, "save_every": 0,
               "eval_every": p.eval_every, "eval_new_tokens": p.eval_new_tokens,
-              **self.recipe_args(recipe)}
+              **({"eval_tree_budget": p.eval_trees} if p.eval_trees else {}), **self.recipe_args(recipe)}
         return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
     def train_job(self, run: Run) -> Job:
@@ -278,6 +282,7 @@ class Bench:
                                   *prompts, "--max-new-tokens", str(p.eval_new_tokens), "--temperature", str(t),
                                   "--gpus", "1", "--json", *p.device_args)
                 cmd += ["--compile"] if alone and p.eval_compile else []
+                cmd += ["--tree-budget", f"0,{p.eval_trees}"] if p.eval_trees and prompt_set == "chat" and t == 0 else []
                 tmp = path.with_suffix(".part")
                 if self.redo:
                     path.unlink(missing_ok=True)
@@ -629,12 +634,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stores", default=",".join(STORES), help="comma list: the stores part `stores` extracts")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
                     help="comma list: the stores part `variants` trains the best recipe on")
+    ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
+                    "the chat T=0 evals also verify, e.g. 16,64 (the chain, budget 0, is always measured)")
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
     for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile",
                  "online_steps", "speed_steps", "max_new_tokens", "eval_every", "num_workers", "max_length"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the plan's {name}")
     a = ap.parse_args(argv)
+    if a.eval_trees is not None:
+        try:
+            budgets = [int(x) for x in a.eval_trees.split(",") if x.strip()]
+        except ValueError:
+            budgets = [0]
+        if not budgets or min(budgets) < 1:
+            ap.error(f"--eval-trees {a.eval_trees!r}: positive tree budgets separated by commas expected, e.g. 16,64")
+        a.eval_trees = ",".join(str(x) for x in budgets)
     plan = SMOKE if a.smoke else REAL
     plan = dataclasses.replace(plan, **{k: v for k, v in vars(a).items() if k in Plan.__dataclass_fields__ and v is not None})
     if "plan" in a.parts:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-GOAL_TAU, GOAL_REGEN_RATIO, GOAL_FP8_REL, GOAL_EST_REL = 3.0, 1.5, 0.02, 0.10
+GOAL_TAU, GOAL_REGEN_RATIO, GOAL_FP8_REL, GOAL_EST_REL, GOAL_TREE_RATIO = 3.0, 1.5, 0.02, 0.10, 1.3
 
 
 def _f(x: Any, spec: str = ".2f") -> str:
@@ -68,6 +68,16 @@ def run_row(b, name: str) -> dict[str, Any]:
     if alone is not None:
         row["speedup_alone"] = alone.get("speedup")
         row["tok_s_alone"] = (alone.get("tok_s_spec"), alone.get("tok_s_target"))
+    # Trees (plan eval_trees): per budget, the real tau of the shared chat T=0 eval, the speedup of the alone
+    # one and the training's held-out estimate of the same budget. The chain is budget 0.
+    trees: dict[str, dict[str, Any]] = {}
+    for key, e in (("tau", read_eval(b.eval_file(name, "chat", 0.0))), ("speedup", alone)):
+        for budget, r in ((e or {}).get("per_budget") or {}).items():
+            trees.setdefault(budget, {})[key] = r.get(key)
+    for budget, t in trees.items():
+        t["est"] = ev.get("tau_chain") if budget == "0" else ev.get(f"tau_tree_{budget}")
+    if trees:
+        row["trees"] = dict(sorted(trees.items(), key=lambda kv: int(kv[0])))
     real = row.get("tau_chat_T0")
     if real and row.get("tau_est"):
         row["est_over_real"] = row["tau_est"] / real
@@ -167,10 +177,29 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
                                               for n in curve for r in [run_row(b, n)]]), ""]
         rec["curve"] = {n: run_row(b, n) for n in curve}
         out += _in_run_curve(b, best, rec)
+    out += _trees_section(b, rec)
     out += _specforge_section(b, rec)
     out += _online_section(b, rec)
     out += _goals(b, rec)
     return "\n".join(out) + "\n", rec
+
+
+def _trees_section(b, rec: dict[str, Any]) -> list[str]:
+    """Each drafter measured as a chain and with trees (chat T=0): real tau, speedup alone, and the held-out
+    estimate of the same budget; where tau and speedup peak is the budget to use."""
+    rows, runs = [], {**rec.get("recipes", {}), **rec.get("variants", {})}
+    for name, r in runs.items():
+        chain = (r.get("trees") or {}).get("0", {}).get("tau")
+        for budget, t in (r.get("trees") or {}).items():
+            est, real = t.get("est"), t.get("tau")
+            rows.append([name, "chain" if budget == "0" else budget, _f(est), _f(real),
+                         _f(est / real if est and real else None),
+                         _f(real / chain if real and chain else None), _f(t.get("speedup"))])
+    if not rows:
+        return []
+    rec["trees"] = {n: r["trees"] for n, r in runs.items() if r.get("trees")}
+    return ["## Chain and trees (chat T=0)", _table(["run", "tree budget", "held-out tau (est.)", "real tau",
+                                                     "est/real", "x the chain's tau", "speedup (alone)"], rows), ""]
 
 
 def in_run_evals(run_dir: Path) -> list[dict[str, Any]]:
@@ -291,6 +320,19 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
     worst = max(ests, key=lambda r: abs(r["est_over_real"] - 1)) if ests else {}
     goals.append(("held-out estimate within 10% of real tau (recipes, worst)", worst.get("est_over_real"),
                   bool(ests) and abs(worst["est_over_real"] - 1) <= GOAL_EST_REL, worst.get("run", "")))
+    tree_runs = {n: t for n, t in rec.get("trees", {}).items() if "0" in t and "64" in t}
+    if tree_runs:  # issue 18's goals, on the drafter with the best real tree-64 tau
+        name = max(tree_runs, key=lambda n: tree_runs[n]["64"].get("tau") or 0)
+        chain, t64 = tree_runs[name]["0"], tree_runs[name]["64"]
+        ratio = t64["tau"] / chain["tau"] if t64.get("tau") and chain.get("tau") else None
+        goals.append(("tree (budget 64) tau >= 1.3x the chain's", ratio, (ratio or 0) >= GOAL_TREE_RATIO, name))
+        fast = t64.get("speedup") is not None and chain.get("speedup") is not None
+        goals.append(("tree (budget 64) speedup >= the chain's (alone)",
+                      f"{_f(t64.get('speedup'))} vs {_f(chain.get('speedup'))}",
+                      fast and t64["speedup"] >= chain["speedup"], name))
+        est = t64["est"] / t64["tau"] if t64.get("est") and t64.get("tau") else None
+        goals.append(("held-out tau_tree_64 within 10% of real", est, est is not None and abs(est - 1) <= GOAL_EST_REL,
+                      name))
     rec["goals"] = [{"goal": g, "value": v, "met": m, "note": n} for g, v, m, n in goals]
     rows = [[g, v if isinstance(v, str) else _f(v, ".3f"), "met" if m else "**missed**", n] for g, v, m, n in goals]
     return ["## Goals", _table(["goal", "value", "", "note"], rows), ""]

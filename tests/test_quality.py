@@ -270,3 +270,53 @@ def test_only_the_alone_eval_compiles_when_asked(tmp_path):
         alone = b.eval_jobs("ce", alone=True, sets=("chat",), temps=(0.0,))
         assert all("--compile" not in j.cmd for j in shared)
         assert ("--compile" in alone[0].cmd) == bool(flag)
+
+
+def test_tree_evals_reach_eval_train_and_the_summary(tmp_path):
+    """--eval-trees: the chat T=0 evals verify the chain and the trees, the training's estimate walks the same
+    budgets, and the summary sets real tree tau and speedup next to the estimate, with issue 18's goals."""
+    import dataclasses
+
+    import quality
+    from quality_summary import build_summary
+
+    plan = dataclasses.replace(quality.SMOKE, eval_trees="16,64")
+    b = quality.Bench(str(tmp_path), None, plan, smoke=True)
+    jobs = {j.name: j.cmd for j in b.eval_jobs("ce")}
+    t0 = next(c for n, c in jobs.items() if "chat" in n and "T0" in n)
+    assert t0[t0.index("--tree-budget") + 1] == "0,16,64"
+    assert all("--tree-budget" not in c for n, c in jobs.items() if not ("chat" in n and "T0" in n))
+    alone = b.eval_jobs("ce", alone=True, sets=("chat",), temps=(0.0,))[0].cmd
+    assert alone[alone.index("--tree-budget") + 1] == "0,16,64"
+    train = b.train_args("ce", 4)
+    assert train[train.index("--eval-tree-budget") + 1] == "16,64"
+    assert "--tree-budget" not in quality.Bench(str(tmp_path / "x"), None, quality.SMOKE, smoke=True).eval_jobs("ce")[0].cmd
+
+    d = b.run_dir("ce")
+    (d / "final").mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"step": 4, "eval": {
+        "tau_chain": 2.0, "tau_tree_16": 2.6, "tau_tree_64": 3.45, "acc_per_pos": [0.7]}}))
+    (d / "config.json").write_text(json.dumps({"train": {"block_size": 16, "tokens_per_batch": 1024},
+                                               "store": {"url": str(b.store("regen-bf16"))}, "steps_per_epoch": 2}))
+    budgets = {"0": 1.9, "16": 2.5, "64": 3.0}
+    b.eval_file("ce", "chat", 0.0).write_text(json.dumps({"tau": 1.9, "lossless": True, "per_budget": {
+        k: {"tau": v, "speedup": 0.5} for k, v in budgets.items()}}))
+    b.eval_file("ce", "chat", 0.0, alone=True).write_text(json.dumps({"tau": 1.9, "speedup": 1.13, "per_budget": {
+        "0": {"tau": 1.9, "speedup": 1.13}, "16": {"tau": 2.5, "speedup": 1.24}, "64": {"tau": 3.0, "speedup": 1.31}}}))
+    b.write("recipes", {"best": "ce", "plan": {"steps": 4}})
+    md, rec = build_summary(b)
+    assert "## Chain and trees (chat T=0)" in md
+    assert "| ce | 64 | 3.45 | 3.00 | 1.15 | 1.58 | 1.31 |" in md   # est, real (shared eval), ratios, speedup alone
+    assert "| ce | chain | 2.00 | 1.90 | 1.05 | 1.00 | 1.13 |" in md
+    goals = {g["goal"]: g for g in rec["goals"]}
+    assert goals["tree (budget 64) tau >= 1.3x the chain's"]["met"]
+    assert goals["tree (budget 64) speedup >= the chain's (alone)"]["met"]
+    assert goals["held-out tau_tree_64 within 10% of real"]["value"] == pytest.approx(1.15)
+    assert not goals["held-out tau_tree_64 within 10% of real"]["met"]
+
+
+def test_eval_trees_option_is_checked():
+    import quality
+
+    with pytest.raises(SystemExit):
+        quality.main(["plan", "--root", "/nonexistent", "--eval-trees", "0,64"])
