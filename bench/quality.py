@@ -16,7 +16,9 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
   stores     `dflash extract` of both (bf16) and of the regenerated set in fp8, timed
   recipes    `dflash train` on the regenerated bf16 store, equal steps (RECIPES below), then `dflash eval`
              of each drafter (held-out chat prompts at T=0 and T=1, code prompts at T=0), and the best
-             one's T=0 chat eval again alone on the machine (the speedup; the others share the GPU)
+             one's T=0 chat eval again alone on the machine (the speedup; the others share the GPU);
+             with --eval-trees 16,64 both T=0 chat evals also verify trees of those budgets, and the
+             summary sets each drafter's chain and trees side by side (real tau, speedup, estimate)
   variants   the best recipe on the original-reply store and on the fp8 store
   curve      the best recipe at other training lengths (a learning curve with the recipes' run)
   specforge  SpecForge 0.2's DFlash trainer on the same store, steps, batch, lr schedule and block size
