@@ -5,8 +5,9 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         tree tree-eval extract-hybrid eval-check profile-decode (default: all but replica, ddp, disk,
-#         attention, tree, tree-eval, extract-hybrid, eval-check and profile-decode, in that order)
+#         tree tree-eval extract-hybrid eval-check profile-decode decode-attention (default: all but replica,
+#         ddp, disk, attention, tree, tree-eval, extract-hybrid, eval-check, profile-decode and
+#         decode-attention, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -98,6 +99,9 @@ for p in $parts; do
       part "profile-decode-$shape" 180 "$py" bench/profile_decode.py --shape "$shape" \
         --json "$out/profile-decode-$shape.json" "${smoke[@]}"
     done ;;
+  decode-attention)
+    # The decode step's attention alone (SDPA as now, written-out math, FlexAttention), graphed, per shape.
+    part decode-attention 180 "$py" bench/decode_attention.py --json "$out/decode-attention.json" "${smoke[@]}" ;;
   attention)
     # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
     part attention 120 "$py" bench/attention.py --json "$out/attention.json" "${smoke[@]}" ;;

@@ -1,0 +1,136 @@
+"""The decode-time attention alone: which kernel reads a static KV cache fastest at decoding's shapes.
+
+`bench/profile_decode.py` found the attention of a graphed decode step to be 46% of a SmolLM2-shaped
+step and 19% of a Qwen3-8B-shaped one (49-63 us per layer for a few MB of K/V): the memory-efficient
+SDPA kernel that `decoding.attention.folded_attention` calls tiles over queries, and a decode step folds
+only g*q = 3-4 queries onto each KV head, so its grid is one block per (row, KV head). This times, per
+call and inside a CUDA graph as the runner runs them, the candidates on the same inputs (folded queries,
+an additive mask over the attended slots, as `StepState` builds it):
+
+  sdpa   what runs now (`folded_attention`: SDPA, memory-efficient or math backend)
+  math   the same attention written out: Q K^T (one batched GEMM over the slots, which cuBLAS spreads
+         over the whole GPU), + mask, softmax in fp32, P V (a long-K GEMM: split-K)
+  flex   FlexAttention, compiled, the mask as a score_mod (its decoding kernel splits the slots over
+         blocks for short queries); CUDA only
+
+for the decode step (q=1), the block-16 verify and a budget-64 tree verify (q=65), SmolLM2 and Qwen3-8B
+head layouts at batch 1, and `dflash generate`'s steps (64 / 128 rows). Each candidate's output is checked
+against an fp32 reference first. Choosing one for `folded_attention` is what this is for.
+
+    python bench/decode_attention.py [--slots 1088] [--json OUT]     # the GPU
+    python bench/decode_attention.py --smoke                          # tiny, CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
+from eval import DEVICE, median_ms  # noqa: E402
+
+# name: (rows, KV heads, queries per KV head g, new tokens q, head dim)
+CASES = {
+    "smollm2 decode": (1, 3, 3, 1, 64), "smollm2 verify 16": (1, 3, 3, 16, 64), "smollm2 tree 64": (1, 3, 3, 65, 64),
+    "qwen3-8b decode": (1, 8, 4, 1, 128), "qwen3-8b verify 16": (1, 8, 4, 16, 128), "qwen3-8b tree 64": (1, 8, 4, 65, 128),
+    "smollm2 generate x64": (64, 3, 3, 1, 64), "qwen3-8b generate x128": (128, 8, 4, 1, 128),
+}
+
+
+def inputs(R: int, hk: int, g: int, q: int, D: int, S: int, dtype: torch.dtype):
+    """Folded queries [R, hk, g*q, D], K/V [R, hk, S, D] and the mask [R, 1, g*q, S] of rows whose committed
+    lengths spread over the attended slots (the longest fills them), as `StepState` builds it."""
+    from dflash_pipeline.decoding.attention import fold_mask, target_visible
+
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE, dtype)  # noqa: E731
+    lengths = torch.linspace(S // 2, S - q, R).long().to(DEVICE)
+    causal = torch.ones(q, q, dtype=torch.bool, device=DEVICE).tril()[None].expand(R, q, q)
+    mask = fold_mask(target_visible(lengths, causal, S), g, dtype)
+    return rnd(R, hk, g * q, D), rnd(R, hk, S, D), rnd(R, hk, S, D), mask
+
+
+def sdpa(q, k, v, mask, scale):
+    from dflash_pipeline.decoding.attention import folded_attention
+
+    R, hk, G, D = q.shape  # the folded queries as G query heads per KV head of one token: the same fold
+    return folded_attention(q.reshape(R, hk * G, 1, D), k, v, mask, scale)
+
+
+def math(q, k, v, mask, scale):
+    scores = torch.matmul(q * scale, k.transpose(2, 3)) + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def make_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def flex(q, k, v, mask, scale):
+        def bias(score, b, h, i, j):
+            return score + mask[b, 0, i, j]
+        return compiled(q, k, v, score_mod=bias, scale=scale)
+    return flex
+
+
+def graphed(fn, *args):
+    """fn(*args) captured in a CUDA graph (as the decoding runner replays it); eager on the CPU."""
+    if DEVICE != "cuda":
+        return lambda: fn(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    return graph.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", type=int, default=1088, help="attended slots (the runner's bucket at ~1K context)")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    cases = {k: v for k, v in CASES.items() if not a.smoke or "generate" not in k}
+    S, iters = (64, 3) if a.smoke else (a.slots, a.iters)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    variants = {"sdpa": sdpa, "math": math}
+    if DEVICE == "cuda":
+        variants["flex"] = make_flex()
+    out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "slots": S, "dtype": str(dtype),
+           "torch": torch.__version__, "cases": {}}
+    print(f"{'case':24} " + " ".join(f"{n + ' us':>10}" for n in variants) + "   max |err| vs fp32 per variant")
+    for name, (R, hk, g, q, D) in cases.items():
+        q_, k_, v_, mask = inputs(R, hk, g, q, D, S, dtype)
+        scale = D ** -0.5
+        ref = math(q_.float(), k_.float(), v_.float(), mask.float(), scale)
+        row = {}
+        for vname, fn in variants.items():
+            try:
+                got = fn(q_, k_, v_, mask, scale)
+                got = got.transpose(1, 2).reshape(ref.shape) if got.shape != ref.shape else got
+                err = (got.float() - ref).abs().max().item()
+                us = 1e3 * median_ms(graphed(fn, q_, k_, v_, mask, scale), iters)
+                row[vname] = {"us": us, "max_abs_err": err}
+            except Exception as e:  # a candidate that cannot run a shape says why, the others still run
+                row[vname] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        out["cases"][name] = {"rows": R, "kv_heads": hk, "g": g, "q": q, "head_dim": D, **row}
+        print(f"{name:24} " + " ".join(f"{r['us']:>10.1f}" if "us" in r else f"{'error':>10}" for r in row.values())
+              + "   " + " ".join(f"{r.get('max_abs_err', float('nan')):.1e}" for r in row.values()))
+        save_json(a.json, out)
+
+
+if __name__ == "__main__":
+    main()
