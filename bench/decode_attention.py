@@ -11,7 +11,10 @@ an additive mask over the attended slots, as `StepState` builds it):
   math   the same attention written out: Q K^T (one batched GEMM over the slots, which cuBLAS spreads
          over the whole GPU), + mask, softmax in fp32, P V (a long-K GEMM: split-K)
   flex   FlexAttention, compiled, the mask as a score_mod (its decoding kernel splits the slots over
-         blocks for short queries); CUDA only
+         blocks for short queries)
+  flex-sparse  the same with a block mask built from each row's length: a row reads only the K/V blocks
+         that hold its slots, not the whole bucket the longest row sets (rows here span half the bucket
+         to all of it)
 
 for the decode step (q=1), the block-16 verify and a budget-64 tree verify (q=65), SmolLM2 and Qwen3-8B
 head layouts at batch 1, and `dflash generate`'s steps (64 / 128 rows). Each candidate's output is checked
@@ -68,15 +71,28 @@ def math(q, k, v, mask, scale):
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
-def make_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+def make_flex(compile: bool, sparse: bool, block: int = 128):
+    """FlexAttention with the mask as a score_mod; `sparse`: also a block mask from each row's length, so that
+    a row reads only the K/V blocks that hold its slots (the attended bucket is the longest row's)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    compiled = torch.compile(flex_attention, dynamic=False)
+    run = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
 
     def flex(q, k, v, mask, scale):
         def bias(score, b, h, i, j):
             return score + mask[b, 0, i, j]
-        return compiled(q, k, v, score_mod=bias, scale=scale)
+        block_mask = None
+        if sparse:
+            R, hk, G, _ = q.shape
+            S = k.shape[2]
+            # a row's visible slots end at its last visible one: the mask's last finite column, + 1
+            seen_RS = torch.isfinite(mask[:, 0]).any(dim=1)
+            end_R = S - seen_RS.flip(1).int().argmax(dim=1)
+            q_blocks, kv_blocks = -(-G // block), -(-S // block)
+            n = (-(-end_R // block)).int()[:, None, None].expand(R, 1, q_blocks).contiguous()
+            idx = torch.arange(kv_blocks, device=q.device, dtype=torch.int32).expand(R, 1, q_blocks, kv_blocks)
+            block_mask = BlockMask.from_kv_blocks(n, idx.contiguous(), BLOCK_SIZE=block, seq_lengths=(G, S))
+        return run(q, k, v, score_mod=bias, block_mask=block_mask, scale=scale, enable_gqa=False)
     return flex
 
 
@@ -106,9 +122,8 @@ def main() -> None:
     cases = {k: v for k, v in CASES.items() if not a.smoke or "generate" not in k}
     S, iters = (64, 3) if a.smoke else (a.slots, a.iters)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    variants = {"sdpa": sdpa, "math": math}
-    if DEVICE == "cuda":
-        variants["flex"] = make_flex()
+    cuda = DEVICE == "cuda"  # on the CPU the flex candidates run uncompiled: a check of their masks only
+    variants = {"sdpa": sdpa, "math": math, "flex": make_flex(cuda, False), "flex-sparse": make_flex(cuda, True)}
     out = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "slots": S, "dtype": str(dtype),
            "torch": torch.__version__, "cases": {}}
     print(f"{'case':24} " + " ".join(f"{n + ' us':>10}" for n in variants) + "   max |err| vs fp32 per variant")
