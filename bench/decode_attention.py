@@ -74,26 +74,30 @@ def math(q, k, v, mask, scale):
 def make_flex(compile: bool, sparse: bool, block: int = 128):
     """FlexAttention with the mask as a score_mod; `sparse`: also a block mask from each row's length, so that
     a row reads only the K/V blocks that hold its slots (the attended bucket is the longest row's)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     run = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
 
     def flex(q, k, v, mask, scale):
         def bias(score, b, h, i, j):
             return score + mask[b, 0, i, j]
-        block_mask = None
-        if sparse:
-            R, hk, G, _ = q.shape
-            S = k.shape[2]
-            # a row's visible slots end at its last visible one: the mask's last finite column, + 1
-            seen_RS = torch.isfinite(mask[:, 0]).any(dim=1)
-            end_R = S - seen_RS.flip(1).int().argmax(dim=1)
-            q_blocks, kv_blocks = -(-G // block), -(-S // block)
-            n = (-(-end_R // block)).int()[:, None, None].expand(R, 1, q_blocks).contiguous()
-            idx = torch.arange(kv_blocks, device=q.device, dtype=torch.int32).expand(R, 1, q_blocks, kv_blocks)
-            block_mask = BlockMask.from_kv_blocks(n, idx.contiguous(), BLOCK_SIZE=block, seq_lengths=(G, S))
+        block_mask = row_blocks(mask, block) if sparse else None
         return run(q, k, v, score_mod=bias, block_mask=block_mask, scale=scale, enable_gqa=False)
     return flex
+
+
+def row_blocks(mask: torch.Tensor, block: int = 128):
+    """The block mask of `flex-sparse`: each row's queries read K/V blocks 0 .. the one holding its last
+    visible slot (the mask's last finite column), nothing past it. Device ops only (graph-capturable)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    R, _, G, S = mask.shape
+    seen_RS = torch.isfinite(mask[:, 0]).any(dim=1)
+    end_R = S - seen_RS.flip(1).int().argmax(dim=1)
+    q_blocks, kv_blocks = -(-G // block), -(-S // block)
+    n = (-(-end_R // block)).int()[:, None, None].expand(R, 1, q_blocks).contiguous()
+    idx = torch.arange(kv_blocks, device=mask.device, dtype=torch.int32).expand(R, 1, q_blocks, kv_blocks)
+    return BlockMask.from_kv_blocks(n, idx.contiguous(), BLOCK_SIZE=block, seq_lengths=(G, S))
 
 
 def graphed(fn, *args):

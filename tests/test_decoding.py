@@ -253,3 +253,28 @@ def test_static_drafter_round_equals_draft_step():
         static.step()
         torch.testing.assert_close(io.logits_RmV[1], head(hidden[0, 1:]), atol=1e-4, rtol=1e-4)
         assert io.argmax_Rm[1].tolist() == head(hidden[0, 1:]).argmax(-1).tolist()
+
+
+def test_decode_attention_candidates_equal_the_static_attention():
+    """bench/decode_attention.py's candidates (written-out math, FlexAttention, FlexAttention reading only each
+    row's own K/V blocks) give what `folded_attention` gives, on rows that end in different 128-slot blocks,
+    for a decode step and a block verify: whichever the GPU measurement picks computes the same attention."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import decode_attention as da
+
+    for R, hk, g, q, D in ((4, 3, 3, 1, 64), (3, 2, 4, 16, 32)):
+        q_, k_, v_, mask = da.inputs(R, hk, g, q, D, 520, torch.float32)
+        ref = da.sdpa(q_, k_, v_, mask, D ** -0.5).transpose(1, 2).reshape(R, hk, g * q, D)
+        for fn in (da.math, da.make_flex(False, False), da.make_flex(False, True)):
+            torch.testing.assert_close(fn(q_, k_, v_, mask, D ** -0.5), ref, atol=2e-5, rtol=1e-5)
+        # Uncompiled FlexAttention does not skip blocks, so the sparse block mask is checked on its own: a row
+        # reads exactly the 128-slot blocks up to the one holding its last visible slot.
+        dense = da.row_blocks(mask).to_dense()[:, 0]                        # [R, q blocks, kv blocks]
+        seen_RS = torch.isfinite(mask[:, 0]).any(dim=1)
+        for r in range(R):
+            last = int(seen_RS[r].nonzero().max()) // 128
+            assert dense[r].all(dim=0)[: last + 1].all() and not dense[r][:, last + 1:].any()
+        assert len({int(x) for x in dense.sum(-1)[:, 0]}) > 1               # the rows end in different blocks
