@@ -353,7 +353,7 @@ def walk_sequence(accepted_T: np.ndarray, candidates_T: np.ndarray, new_tokens: 
     (eval's tau is (tokens - 1) / rounds too).
     """
     T = len(accepted_T)
-    cands = np.asarray(candidates_T, dtype=bool).copy()
+    cands = np.array(candidates_T, dtype=bool)  # a copy: the limit clears candidates in it
     end = np.zeros(T, dtype=np.int64)  # per candidate: where its generation's last token is
     p = 0
     while p < T:
