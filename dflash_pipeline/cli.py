@@ -300,7 +300,7 @@ def eval_cmd(
     compile_steps: bool = typer.Option(False, "--compile", help="torch.compile the graphed decode/verify/drafter steps (fused kernels; compiles for a minute or more first)."),
     tree_budget: str = typer.Option("0", "--tree-budget", help="Verify a tree of N drafted tokens per step (DDTree, from the same drafter pass; 0: the chain). Several, e.g. 0,16,64,256, measure each on the same prompts: tau, tok/s and speedup per budget."),
     chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help="JSON object of chat-template variables for the prompts, as given to extract (e.g. '{\"enable_thinking\": false}')."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout (progress stays on stderr)."),
 ):
     """Real acceptance length: speculative decoding of the drafter against the target (exit 1 if greedy output differs at a clear margin)."""
     from rich.console import Console
@@ -315,7 +315,8 @@ def eval_cmd(
                   seed=seed, dtype=dtype, device=device, gpus=gpus, records=records, compile=compile_steps,
                   chat_template_kwargs=chat_template_kwargs, tree_budget=_int_list(tree_budget, "--tree-budget") or [],
                   json=json_out)
-    report = run_eval(cfg, LiveLine(enabled=not json_out))
+    # Progress goes to stderr either way: a long eval piped into a JSON file still says where it is.
+    report = run_eval(cfg, LiveLine())
     if not report:  # a rank other than 0 under a launcher: rank 0 reports
         return
     if json_out:

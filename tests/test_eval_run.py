@@ -228,6 +228,23 @@ def test_command_line_takes_several_prompt_files_and_the_new_options(monkeypatch
     assert res.exit_code == 2 and "--gpus must be 'all' or a positive number" in res.stderr
 
 
+def test_json_output_keeps_the_progress_on_stderr_and_stdout_one_json_object(monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.eval import run
+
+    def fake(cfg, progress=None):
+        progress.say("decoding 24 prompts")  # what a long run prints while the JSON is not yet there
+        return {"tau": 2.0, "lossless": True}
+
+    monkeypatch.setattr(run, "run_eval", fake)
+    res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"tau": 2.0, "lossless": True}
+    assert "decoding 24 prompts" in res.stderr
+
+
 # ---------------------------------------------------------------- tree verification (--tree-budget)
 
 
