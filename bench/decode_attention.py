@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import save_json  # noqa: E402
 from eval import DEVICE, median_ms  # noqa: E402
 
+from dflash_pipeline.decoding.graphs import GraphedStep  # noqa: E402
+
 # name: (rows, KV heads, queries per KV head g, new tokens q, head dim)
 CASES = {
     "smollm2 decode": (1, 3, 3, 1, 64), "smollm2 verify 16": (1, 3, 3, 16, 64), "smollm2 tree 64": (1, 3, 3, 65, 64),
@@ -102,22 +104,6 @@ def row_blocks(mask: torch.Tensor, block: int = 128):
     return BlockMask.from_kv_blocks(n, idx.contiguous(), BLOCK_SIZE=block, seq_lengths=(G, S))
 
 
-def graphed(fn, *args):
-    """fn(*args) captured in a CUDA graph (as the decoding runner replays it); eager on the CPU."""
-    if DEVICE != "cuda":
-        return lambda: fn(*args)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    return graph.replay
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=1088, help="attended slots (the runner's bucket at ~1K context)")
@@ -141,7 +127,9 @@ def main() -> None:
         for vname, fn in variants.items():
             try:
                 err = (fn(q_, k_, v_, mask, scale).float() - ref).abs().max().item()
-                us = 1e3 * median_ms(graphed(fn, q_, k_, v_, mask, scale), iters)
+                # captured in a CUDA graph on its first (warm-up) call, as the decoding runner replays it
+                step = GraphedStep(lambda fn=fn: fn(q_, k_, v_, mask, scale), torch.device(DEVICE), warmup=3)
+                us = 1e3 * median_ms(step, iters)
                 row[vname] = {"us": us, "max_abs_err": err}
             except Exception as e:  # a candidate that cannot run a shape says why, the others still run
                 row[vname] = {"error": f"{type(e).__name__}: {e}"[:300]}
