@@ -10,6 +10,10 @@ an additive mask over the attended slots, as `StepState` builds it):
   sdpa   what runs now (`folded_attention`: SDPA, memory-efficient or math backend)
   math   the same attention written out: Q K^T (one batched GEMM over the slots, which cuBLAS spreads
          over the whole GPU), + mask, softmax in fp32, P V (a long-K GEMM: split-K)
+  math-upcast  the same with the scores in fp32 (Q, K upcast first): `math` rounds scores to bf16, which
+         is 2-4x SDPA's error (measured 2026-12-02) and matters to the lossless check's tie rule
+  math-f32out  the same with fp32 scores out of the bf16 GEMM itself (`torch.bmm(..., out_dtype=float32)`,
+         CUDA only: an error on the CPU)
   flex   FlexAttention, compiled, the mask as a score_mod (its decoding kernel splits the slots over
          blocks for short queries)
   flex-sparse  the same with a block mask built from each row's length: a row reads only the K/V blocks
@@ -75,6 +79,22 @@ def math(q, k, v, mask, scale):
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
+def math_upcast(q, k, v, mask, scale):
+    """`math` with the scores in fp32: Q and K upcast before Q K^T (a copy of K in fp32 per call). `math`
+    rounds the scores to bf16 before the softmax (a step of 0.125 at a score of 16)."""
+    scores = torch.matmul(q.float() * scale, k.float().transpose(2, 3)) + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def math_f32out(q, k, v, mask, scale):
+    """`math` with the scores in fp32 straight out of the bf16 GEMM (`out_dtype`: CUDA only), no copy of K."""
+    R, hk, G, D = q.shape
+    S = k.shape[2]
+    scores = torch.bmm((q * scale).reshape(R * hk, G, D), k.reshape(R * hk, S, D).transpose(1, 2),
+                       out_dtype=torch.float32).view(R, hk, G, S) + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 def make_flex(compile: bool, sparse: bool, block: int = 128):
     """FlexAttention with the mask as a score_mod; `sparse`: also a block mask from each row's length, so that
     a row reads only the K/V blocks that hold its slots (the attended bucket is the longest row's)."""
@@ -115,7 +135,8 @@ def main() -> None:
     S, iters = (64, 3) if a.smoke else (a.slots, a.iters)
     cuda = DEVICE == "cuda"  # on the CPU the flex candidates run uncompiled: a check of their masks only
     dtype = torch.bfloat16 if cuda else torch.float32
-    variants = {"sdpa": sdpa, "math": math, "flex": make_flex(cuda, False), "flex-sparse": make_flex(cuda, True)}
+    variants = {"sdpa": sdpa, "math": math, "math-upcast": math_upcast, "math-f32out": math_f32out,
+                "flex": make_flex(cuda, False), "flex-sparse": make_flex(cuda, True)}
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "slots": S, "dtype": str(dtype),
            "torch": torch.__version__, "cases": {}}
     print(f"{'case':24} " + " ".join(f"{n + ' us':>10}" for n in variants) + "   max |err| vs fp32 per variant")

@@ -268,7 +268,7 @@ def test_decode_attention_candidates_equal_the_static_attention():
     for R, hk, g, q, D in ((4, 3, 3, 1, 64), (3, 2, 4, 16, 32)):
         q_, k_, v_, mask = da.inputs(R, hk, g, q, D, 520, torch.float32)
         ref = da.sdpa(q_, k_, v_, mask, D ** -0.5)
-        for fn in (da.math, da.make_flex(False, False), da.make_flex(False, True)):
+        for fn in (da.math, da.math_upcast, da.make_flex(False, False), da.make_flex(False, True)):
             torch.testing.assert_close(fn(q_, k_, v_, mask, D ** -0.5), ref, atol=2e-5, rtol=1e-5)
         # Uncompiled FlexAttention does not skip blocks, so the sparse block mask is checked on its own: a row
         # reads exactly the 128-slot blocks up to the one holding its last visible slot.
@@ -278,3 +278,22 @@ def test_decode_attention_candidates_equal_the_static_attention():
             last = int(seen_RS[r].nonzero().max()) // 128
             assert dense[r].all(dim=0)[: last + 1].all() and not dense[r][:, last + 1:].any()
         assert len({int(x) for x in dense.sum(-1)[:, 0]}) > 1               # the rows end in different blocks
+
+
+def test_decode_attention_fp32_scores_are_closer_in_bf16():
+    """In bf16 the written-out math rounds each score to bf16 before the softmax; `math_upcast` keeps them
+    in fp32. At scores of realistic size (tens) the upcast one is the closer to an fp32 reference: the
+    error the lossless check's tie rule has to absorb is the kernel's, so the candidate must not add to it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import decode_attention as da
+
+    q_, k_, v_, mask = da.inputs(2, 2, 4, 16, 64, 300, torch.bfloat16)
+    q_ = q_ * 6                                                              # scores of order 10-40, peaked
+    scale = 64 ** -0.5
+    ref = da.math(q_.float(), k_.float(), v_.float(), mask.float(), scale)
+    err = {fn.__name__: (fn(q_, k_, v_, mask, scale).float() - ref).abs().max().item()
+           for fn in (da.math, da.math_upcast)}
+    assert err["math_upcast"] < 0.5 * err["math"], err
