@@ -80,10 +80,12 @@ def math(q, k, v, mask, scale):
 
 
 def math_upcast(q, k, v, mask, scale):
-    """`math` with the scores in fp32: Q and K upcast before Q K^T (a copy of K in fp32 per call). `math`
-    rounds the scores to bf16 before the softmax (a step of 0.125 at a score of 16)."""
-    scores = torch.matmul(q.float() * scale, k.float().transpose(2, 3)) + mask
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    """`math` with the scores in fp32 (Q and K upcast before Q K^T: a copy of K in fp32 per call), as
+    `folded_attention` runs it with DFLASH_DECODE_ATTENTION=math. `math` rounds the scores to bf16 before
+    the softmax (a step of 0.125 at a score of 16)."""
+    from dflash_pipeline.decoding.attention import written_out_attention
+
+    return written_out_attention(q, k, v, mask, scale)
 
 
 def math_f32out(q, k, v, mask, scale):

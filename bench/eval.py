@@ -315,7 +315,8 @@ def main() -> None:
         args.context, args.prompts, args.new_tokens = 64, 3, 12
     iters = 10 if args.smoke else 50
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
-           "dtype": str(DTYPE).removeprefix("torch."), "smoke": args.smoke}
+           "dtype": str(DTYPE).removeprefix("torch."), "smoke": args.smoke,
+           "decode_attention": __import__("dflash_pipeline.decoding.attention", fromlist=["KERNEL"]).KERNEL}
 
     def done(part: str, result: dict) -> None:
         """Keep a finished part: into the JSON and the log at once, so a time limit loses only the rest."""

@@ -384,7 +384,8 @@ def main() -> None:
         args.prompt_tokens, args.new_tokens, args.hf_new_tokens = 24, 8, 4
     os.makedirs(args.work, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-              "transformers": __import__("transformers").__version__, "args": vars(args), "targets": {}}
+              "transformers": __import__("transformers").__version__, "args": vars(args), "targets": {},
+              "decode_attention": __import__("dflash_pipeline.decoding.attention", fromlist=["KERNEL"]).KERNEL}
     for name in targets:
         result["targets"][name] = bench_target(name, args, skip)
         _free()

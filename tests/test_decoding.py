@@ -45,8 +45,12 @@ def runner_greedy(runner: DecodingRunner, row: int, prompt: list[int], n: int) -
 # ---------------------------------------------------------------- the target runner
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "math"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "gemma2"])
-def test_greedy_decoding_equals_transformers_generate(kind):
+def test_greedy_decoding_equals_transformers_generate(kind, kernel, monkeypatch):
+    from dflash_pipeline.decoding import attention
+
+    monkeypatch.setattr(attention, "KERNEL", kernel)  # DFLASH_DECODE_ATTENTION: both kernels decode exactly
     model = tiny(kind)
     prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
     want = hf_greedy(model, prompt, 24)  # past every sliding window
@@ -215,7 +219,11 @@ def test_greedy_decoding_of_the_real_target_equals_generate(smollm_model, smollm
 # ---------------------------------------------------------------- the drafter
 
 
-def test_static_drafter_round_equals_draft_step():
+@pytest.mark.parametrize("kernel", ["sdpa", "math"])
+def test_static_drafter_round_equals_draft_step(kernel, monkeypatch):
+    from dflash_pipeline.decoding import attention
+
+    monkeypatch.setattr(attention, "KERNEL", kernel)
     H, B = 32, 4
     cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
                         vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=[0, 2], num_target_layers=4,
@@ -278,6 +286,19 @@ def test_decode_attention_candidates_equal_the_static_attention():
             last = int(seen_RS[r].nonzero().max()) // 128
             assert dense[r].all(dim=0)[: last + 1].all() and not dense[r][:, last + 1:].any()
         assert len({int(x) for x in dense.sum(-1)[:, 0]}) > 1               # the rows end in different blocks
+
+
+def test_decode_attention_kernel_is_read_from_the_environment(monkeypatch):
+    from dflash_pipeline.decoding import attention
+    from dflash_pipeline.errors import DFlashError
+
+    monkeypatch.setenv("DFLASH_DECODE_ATTENTION", " Math ")
+    assert attention.kernel_from_env() == "math"
+    monkeypatch.delenv("DFLASH_DECODE_ATTENTION")
+    assert attention.kernel_from_env() == "sdpa"
+    monkeypatch.setenv("DFLASH_DECODE_ATTENTION", "flash")
+    with pytest.raises(DFlashError, match="DFLASH_DECODE_ATTENTION='flash': expected one of sdpa, math"):
+        attention.kernel_from_env()
 
 
 def test_decode_attention_fp32_scores_are_closer_in_bf16():

@@ -114,6 +114,16 @@ def test_fp32_graphed_speculative_decoding_equals_generate(kind):
     speculative_equals_generate(kind, compile=False)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "smollm"])
+def test_fp32_graphed_speculative_decoding_with_the_written_out_attention(kind, monkeypatch):
+    """DFLASH_DECODE_ATTENTION=math (Q K^T in fp32, softmax, P V as GEMMs) in the captured steps: still
+    exactly `generate()`."""
+    from dflash_pipeline.decoding import attention
+
+    monkeypatch.setattr(attention, "KERNEL", "math")
+    speculative_equals_generate(kind, compile=False)
+
+
 def test_compiled_graphed_speculative_decoding_equals_generate():
     """The same with the steps' forward and the drafter's elementwise chains through torch.compile."""
     speculative_equals_generate("qwen3", compile=True)

@@ -23,22 +23,44 @@ GQA without repeated K/V: the g query heads of one KV head are folded into the q
 ([R, h, q, D] -> [R, h_kv, g*q, D]), so one SDPA call reads each KV head once, and the folded mask
 is a plain [R, 1, g*q, S] additive bias that the memory-efficient kernel takes.
 
+The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `sdpa` (default), the memory-efficient SDPA
+kernel; or `math`, the attention written out (Q K^T with the scores in fp32, softmax, P V), two batched
+GEMMs that cuBLAS spreads over the whole GPU where SDPA's grid is one block per (row, KV head) at
+decoding's few folded queries. On an H200 the written-out form (bf16 scores) was 1.9-2.3x faster than
+SDPA at batch-1 decode and verify shapes and 1.3x at 128 rows (BENCHMARKS.md); with fp32 scores it is
+the default once a GPU run has timed it and checked the lossless rule with it. Soft-capped models
+(Gemma 2) always use it: SDPA has no soft-capping.
+
 Legend: R rows in the call, q new tokens per row, S attended cache slots, h query heads, hk KV heads,
 g = h / hk, D head dim.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 from typing import Iterable
 
 import torch
 
+from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.train.masks import attend
 
 STATIC_ATTENTION = "static_kv"  # no "flash" in the name: transformers reads that as a flash kernel
 _ACTIVE = threading.local()
+KERNEL_ENV = "DFLASH_DECODE_ATTENTION"
+KERNELS = ("sdpa", "math")
+
+
+def kernel_from_env() -> str:
+    name = os.environ.get(KERNEL_ENV, "sdpa").strip().lower() or "sdpa"
+    if name not in KERNELS:
+        raise DFlashError(f"{KERNEL_ENV}={name!r}: expected one of {', '.join(KERNELS)}")
+    return name
+
+
+KERNEL = kernel_from_env()  # module state, not read per call: a compiled or captured step sees a constant
 
 
 class StaticKV:
@@ -85,14 +107,23 @@ def folded_attention(query_RhqD: torch.Tensor, key_RkSD: torch.Tensor, value_RkS
     hk = key_RkSD.shape[1]
     g = h // hk
     q_RkGD = query_RhqD.reshape(R, hk, g * q, D)
-    if softcap:  # SDPA has no soft-capping (Gemma 2): the same math written out, softmax in fp32
-        scores = torch.matmul(q_RkGD, key_RkSD.transpose(2, 3)) * scale
-        scores = torch.tanh(scores / softcap) * softcap + bias_R1GS
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value_RkSD.dtype)
-        out = torch.matmul(probs, value_RkSD)
+    if softcap or KERNEL == "math":
+        out = written_out_attention(q_RkGD, key_RkSD, value_RkSD, bias_R1GS, scale, softcap)
     else:
         out = attend(q_RkGD, key_RkSD, value_RkSD, bias_R1GS, scale)
     return out.view(R, hk, g, q, D).reshape(R, h, q, D).transpose(1, 2)
+
+
+def written_out_attention(q_RkGD: torch.Tensor, key_RkSD: torch.Tensor, value_RkSD: torch.Tensor,
+                          bias_R1GS: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """softmax(Q K^T * scale (soft-capped) + bias) V, the scores and softmax in fp32: Q and K are upcast
+    before the product, since bf16 scores would round a score of 16 to steps of 0.125 and carry 2-4x
+    SDPA's error into the logits that the lossless check's tie rule compares."""
+    scores = torch.matmul(q_RkGD.float(), key_RkSD.float().transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores + bias_R1GS, dim=-1)
+    return torch.matmul(probs.to(value_RkSD.dtype), value_RkSD)
 
 
 class StepState:
@@ -172,5 +203,5 @@ def register() -> None:
     AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
-__all__ = ["STATIC_ATTENTION", "StaticKV", "StepState", "active", "active_state", "target_visible", "fold_mask",
-           "folded_attention", "static_attention", "register"]
+__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "StaticKV", "StepState", "active", "active_state", "target_visible",
+           "fold_mask", "folded_attention", "written_out_attention", "static_attention", "register"]
