@@ -5,9 +5,9 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         tree tree-eval extract-hybrid eval-check profile-decode decode-attention (default: all but replica,
-#         ddp, disk, attention, tree, tree-eval, extract-hybrid, eval-check, profile-decode and
-#         decode-attention, in that order)
+#         tree tree-eval extract-hybrid eval-check profile-decode decode-attention tie-rule (default: all but
+#         replica, ddp, disk, attention, tree, tree-eval, extract-hybrid, eval-check, profile-decode,
+#         decode-attention and tie-rule, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -18,7 +18,8 @@
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_REPLICA, LIMIT_DDP,
-#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL, LIMIT_EVAL_CHECK: seconds per part
+#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL, LIMIT_EVAL_CHECK, LIMIT_TIE_RULE: seconds per part
+#         TIE_ARGS (bench/tie_rule.py options: --target MODEL --prompts-file FILE on the GPU machine)
 #         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
 #         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
 #         GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
@@ -92,6 +93,11 @@ for p in $parts; do
     # 2+ GPUs, the prompts divided over every GPU against one.
     part eval-check "${LIMIT_EVAL_CHECK:-300}" "$py" bench/eval_check.py --tokenizer "$tok" --work "$work/eval-check" \
       --json "$out/eval-check.json" "${smoke[@]}" ;;
+  tie-rule)
+    # The bf16 tie rule's calibration: how far the decode, verify-16, verify-65 and plain forward passes put
+    # the same top-2 margin, in ulp (TIE_ARGS, e.g. "--target /tmp/keep/smollm2.gguf --prompts-file P.jsonl":
+    # the GPU image has no embedded model or prompts).
+    part tie-rule "${LIMIT_TIE_RULE:-300}" "$py" bench/tie_rule.py ${TIE_ARGS:-} --json "$out/tie-rule.json" "${smoke[@]}" ;;
   profile-decode)
     # The kernels of one graphed decode step by GPU time, SmolLM2 and Qwen3-8B shapes (where the 8B step's
     # 3.3x over its bandwidth bound goes).

@@ -318,3 +318,27 @@ def test_decode_attention_fp32_scores_are_closer_in_bf16():
     err = {fn.__name__: (fn(q_, k_, v_, mask, scale).float() - ref).abs().max().item()
            for fn in (da.math, da.math_upcast)}
     assert err["math_upcast"] < 0.5 * err["math"], err
+
+
+def test_tie_rule_bench_passes_reproduce_the_reference_logits():
+    """bench/tie_rule.py compares the decode step's logits with those of block steps over the same tokens:
+    in fp32 the blocks must give the same predictions at the same positions (else the bench would measure
+    its own misalignment, not the kernels)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import tie_rule
+
+    model = tiny("qwen3")
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    want = hf_greedy(model, prompt, 30)
+    with DecodingRunner(model, max_len=96) as runner:
+        tokens, top_ids, top_vals = tie_rule.greedy_reference(runner, prompt, 30)
+        assert tokens == want
+        for q in (4, 16):
+            logits = tie_rule.blocked_logits(runner, prompt, tokens, q)
+            assert logits.argmax(-1).tolist() == tokens
+            torch.testing.assert_close(logits.gather(1, top_ids), top_vals, atol=1e-4, rtol=1e-5)
+    forward = tie_rule.forward_logits(model, prompt, tokens)
+    assert max(tie_rule.margin_gaps(top_ids, top_vals, forward, torch.float32)) < 64  # a few fp32 ulp
