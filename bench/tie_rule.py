@@ -10,9 +10,10 @@ is under it is one where a real bug would pass as a tie). This measures it.
 For each prompt the target decodes greedily with one-token steps on the static-cache runner (path
 `decode`, the reference), recording at every position the top-2 tokens (a, b) and their margin
 m = l[a] - l[b]. The same tokens then go through the other passes, which give logits at the same
-positions: `verify16` (blocks of 16, as a chain verify), `verify65` (blocks of 65, a budget-64 tree
-verify's shape), and `forward` (one plain transformers forward over prompt + output, as the check
-itself uses after a tie). Per pass it reports |m - m'| where m' = l'[a] - l'[b], in ulp of the dtype
+positions: `verify16` (blocks of 16, as a chain verify), `verify65` (chain blocks of 65, a budget-64
+tree verify's shape), `tree64` (blocks of 65 laid out as a tree: each path token with a sibling beside
+it, an ancestor mask, positions by depth, the path compacted afterwards, as tree decoding runs it), and
+`forward` (one plain transformers forward over prompt + output, as the check itself uses after a tie). Per pass it reports |m - m'| where m' = l'[a] - l'[b], in ulp of the dtype
 at max(|l[a]|, |l[b]|): quantiles and max, and the smallest TIE_ULPS that covers every position seen.
 Also how many positions have a margin under N ulp (the rule's blind spot at N).
 
@@ -37,7 +38,7 @@ from common import save_json  # noqa: E402
 
 from dflash_pipeline.eval.lossless import TIE_ULPS, logit_ulp  # noqa: E402
 
-PASSES = ("verify16", "verify65", "forward")
+PASSES = ("verify16", "verify65", "tree64", "forward")
 
 
 def greedy_reference(runner, prompt: list[int], n: int):
@@ -75,6 +76,51 @@ def blocked_logits(runner, prompt: list[int], tokens: list[int], q: int) -> torc
         out.append(io.logits_RqV[0, :len(block)].clone())
         committed += len(block)
     del first
+    return torch.cat(out)[: len(tokens)]
+
+
+def tree_logits(runner, prompt: list[int], tokens: list[int], depth: int = 32) -> torch.Tensor:
+    """The same predictions from tree verify steps (q = 2 * depth + 1, a budget-64 tree at depth 32): the
+    block is the last committed token (root), then for each depth d the path's token and a sibling of it
+    (same parent, same position d, a token the path does not take), interleaved as a tree's nodes sit in
+    its block. A path node sees the root and the path above it, a sibling the path above it and itself.
+    The path's K/V are then made contiguous (`compact`), as tree decoding commits an accepted path."""
+    q = 2 * depth + 1
+    io = runner.inputs(q)
+    default_offsets, default_mask = io.offsets_Rq.clone(), io.block_mask_Rqq.clone()
+    offsets = torch.zeros(q, dtype=torch.long)
+    mask = torch.zeros(q, q, dtype=torch.bool)
+    mask[0, 0] = True
+    for d in range(1, depth + 1):
+        p, s = 2 * d - 1, 2 * d          # the path node and its sibling at depth d
+        offsets[p] = offsets[s] = d
+        ancestors = [0] + [2 * k - 1 for k in range(1, d)]
+        mask[p, ancestors + [p]] = True
+        mask[s, ancestors + [s]] = True
+    io.offsets_Rq[0].copy_(offsets.to(io.offsets_Rq.device))
+    io.block_mask_Rqq[0].copy_(mask.to(io.block_mask_Rqq.device))
+    runner.prefill(0, prompt[:-1])
+    out, committed = [], len(prompt) - 1
+    seq = prompt + tokens
+    V = io.logits_RqV.shape[-1]
+    try:
+        while committed < len(seq) - 1:
+            runner.set_length(0, committed)
+            path = seq[committed:committed + depth + 1]        # root + up to `depth` path tokens
+            ids = torch.zeros(q, dtype=torch.long)
+            ids[0] = path[0]
+            for d in range(1, depth + 1):
+                tok = path[d] if d < len(path) else 0
+                ids[2 * d - 1], ids[2 * d] = tok, (tok + 1 + d) % V   # the sibling: any other token
+            io.ids_Rq[0].copy_(ids.to(io.ids_Rq.device))
+            runner.step(q)
+            rows = [0] + [2 * d - 1 for d in range(1, len(path))]
+            out.append(io.logits_RqV[0, rows].clone())
+            runner.compact(0, [committed + r for r in rows], committed)
+            committed += len(path)
+    finally:
+        io.offsets_Rq.copy_(default_offsets)
+        io.block_mask_Rqq.copy_(default_mask)
     return torch.cat(out)[: len(tokens)]
 
 
@@ -148,6 +194,7 @@ def main() -> None:
             margins += [float(m) / logit_ulp(float(x), dtype) for m, x in zip(top_vals[:, 0] - top_vals[:, 1], mags)]
             for q in (16, 65):
                 gaps[f"verify{q}"] += margin_gaps(top_ids, top_vals, blocked_logits(runner, prompt, tokens, q), dtype)
+            gaps["tree64"] += margin_gaps(top_ids, top_vals, tree_logits(runner, prompt, tokens), dtype)
             print(f"prompt {i + 1}/{len(prompts)}: {len(prompt)} + {n} tokens; max gap so far (ulp) "
                   + ", ".join(f"{k} {max(v):.1f}" for k, v in gaps.items() if v) + f"  ({time.time() - t0:.0f}s)",
                   flush=True)

@@ -336,9 +336,13 @@ def test_tie_rule_bench_passes_reproduce_the_reference_logits():
     with DecodingRunner(model, max_len=96) as runner:
         tokens, top_ids, top_vals = tie_rule.greedy_reference(runner, prompt, 30)
         assert tokens == want
-        for q in (4, 16):
-            logits = tie_rule.blocked_logits(runner, prompt, tokens, q)
+        passes = [tie_rule.blocked_logits(runner, prompt, tokens, q) for q in (4, 16)]
+        passes += [tie_rule.tree_logits(runner, prompt, tokens, depth) for depth in (3, 8)]  # with siblings
+        for logits in passes:
             assert logits.argmax(-1).tolist() == tokens
             torch.testing.assert_close(logits.gather(1, top_ids), top_vals, atol=1e-4, rtol=1e-5)
+        # the chain blocks still run with their own causal mask after the tree steps
+        torch.testing.assert_close(tie_rule.blocked_logits(runner, prompt, tokens, 17).gather(1, top_ids), top_vals,
+                                   atol=1e-4, rtol=1e-5)
     forward = tie_rule.forward_logits(model, prompt, tokens)
     assert max(tie_rule.margin_gaps(top_ids, top_vals, forward, torch.float32)) < 64  # a few fp32 ulp
