@@ -4,15 +4,30 @@ At temperature 0 speculative decoding must commit exactly the target's greedy to
 target's verify pass (a block of tokens) and its one-token decode step agree far below any logit
 margin that occurs in practice, so the check is exact: any difference fails.
 
-In bf16/fp16 the two passes are different kernels (different reduction orders, different tiles), and
-the logits they produce legitimately differ by a rounding step or two. Where the target's top two
-logits are that close, the two passes may pick different tokens: a **tie divergence**, a fact of the
-arithmetic, not a bug. The rule:
+In bf16/fp16 the passes are different kernels (different reduction orders, different tiles), and the
+logits they produce legitimately differ by a few rounding steps: every layer's output is rounded, so
+the difference is not one rounding of the final logit but what thirty layers of them add up to. Where
+the target's top two logits are that close, the passes may pick different tokens: a **tie
+divergence**, a fact of the arithmetic, not a bug. The rule:
 
     a divergence at position i is a tie iff  top1_i - top2_i <= TIE_ULPS * ulp(dtype, max(|top1_i|, |top2_i|))
 
 where ulp(dtype, x) is the spacing of the dtype's numbers at magnitude x (bf16: 2^(e - 7) for
-x in [2^e, 2^(e+1)); a bf16 logit near 20 has ulp 0.125). A divergence at a clear margin is a failure.
+x in [2^e, 2^(e+1)); a bf16 logit near 20 has ulp 0.125, so TIE_ULPS = 8 excuses margins up to 1.0
+there). A divergence at a clear margin is a failure.
+
+TIE_ULPS is measured, not assumed (`bench/tie_rule.py`): the real SmolLM2-135M in bf16, 2,048 greedy
+positions on the CPU, puts the same top-2 margin this far apart between its one-token decode step and
+a chain verify (blocks of 16 or 65), a tree-laid-out verify and a plain forward: median 0.5 ulp, p99
+2-3, p99.9 4, max 4 (chain) and 5.5 (tree) with the default attention kernel; with the written-out one
+(`DFLASH_DECODE_ATTENTION=math`) p99.9 6-8, max 8-9, and 12 against the plain forward (transformers'
+own SDPA: another algorithm altogether). On an H200 two tree-verify divergences sat at 4 ulp. The first
+rule (2 ulp: one rounding per pass) failed those runs although fp32 was exact on the same prompts. 8
+covers every gap of the default kernel with headroom and the p99.9 of both; the gap is heavy-tailed,
+so a rare divergence past it on a correct run stays possible (that is what fp32 settles). What the
+rule gives up is the check at the positions whose margin is that small (28-33% of them for SmolLM2 on
+chat prompts), where a bug would pass as a tie: a bug shows at the others, and fp32 (`--dtype fp32`)
+stays exact everywhere.
 
 After a tie the two outputs continue from different prefixes, so comparing them further says nothing.
 The speculative output is then checked against the target's own greedy choice along the speculative
@@ -30,7 +45,7 @@ from typing import Callable, Sequence
 
 import torch
 
-TIE_ULPS = 2  # two passes, each off by up to one rounding of the final logit
+TIE_ULPS = 8  # the spread of the target's own passes, measured (module docstring)
 
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
