@@ -204,14 +204,20 @@ def bench_steps(model, shape: dict, context: int, block: int, iters: int, hf_tok
 def save_random_target(path: str, tokenizer_dir: str, shape: dict) -> str:
     """A random SmolLM2-shaped HF folder with the tokenizer files, as `dflash eval --target` reads it."""
     if not os.path.exists(os.path.join(path, "config.json")):
+        # Written under a temporary name, renamed once whole: a run stopped half way (no tokenizer files
+        # yet, say) leaves nothing that the next run would take for a finished folder.
+        tmp = f"{path}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
         model = random_target(shape)
         with torch.no_grad():  # real embeddings are far larger than the init's; keeps logits un-flat
             model.get_input_embeddings().weight.normal_(0.0, 0.5)
-        model.save_pretrained(path)
+        model.save_pretrained(tmp)
         for f in os.listdir(tokenizer_dir):
             if f.startswith("tokenizer") or f in ("special_tokens_map.json", "chat_template.jinja"):
-                shutil.copy(os.path.join(tokenizer_dir, f), path)
+                shutil.copy(os.path.join(tokenizer_dir, f), tmp)
         del model
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
     return path
 
 
