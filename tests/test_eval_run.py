@@ -6,6 +6,8 @@ sweep in one run, and the targets where trees are refused."""
 
 from __future__ import annotations
 
+import copy
+
 import io
 import json
 
@@ -106,8 +108,15 @@ def test_prompts_from_several_files_each_with_its_limit_and_every_turn(tmp_path,
     assert [p.file for p in load_prompts(None, tok, limit=2)] == [EMBEDDED] * 2
 
     empty = _write(tmp_path / "none.jsonl", [{"text": "no prompt here"}])
-    with pytest.raises(DFlashError, match="none.jsonl: no usable prompts"):
+    with pytest.raises(DFlashError, match="none.jsonl: no usable prompts") as err:
         load_prompts([chat, empty], tok, limit=2)
+    assert "of 1 row(s) read: 1 row(s)" in str(err.value) and "first at row 1" in str(err.value)
+    # A tokenizer without a chat template: the error says so, not that the records lack user turns.
+    bare = copy.copy(tok)
+    bare.chat_template = None
+    with pytest.raises(DFlashError, match=r"chat\.jsonl: no usable prompts of \d+ row\(s\) read: \d+ row\(s\) "
+                                          r"chat template error, first at row 1: .*chat_template is not set"):
+        load_prompts([chat], bare, limit=2)
     with pytest.raises(DFlashError, match="missing.jsonl"):
         load_prompts([chat, str(tmp_path / "missing.jsonl")], tok, limit=2)
     with pytest.raises(ValueError, match="prompt file given twice: a.jsonl"):

@@ -39,21 +39,35 @@ def load_prompts(paths: list[str] | None, tokenizer, limit: int, all_turns: bool
     """At most `limit` prompts of each file (the embedded held-out split without paths), in file order,
     rendered with the chat template's `template_kwargs` (e.g. enable_thinking), as extraction renders them."""
     from dflash_pipeline.extract.chat import iter_prompt_turns
-    from dflash_pipeline.extract.readers import check_inputs
+    from dflash_pipeline.extract.readers import DataReport, check_inputs
 
     check_inputs(paths or [])  # every file is checked before any is tokenized
     prompts: list[Prompt] = []
     for path in paths or [None]:
         label = EMBEDDED if path is None else path
+        report = DataReport()
         got = [Prompt(label, sid, turn, ids.tolist())
                for sid, turn, ids in iter_prompt_turns(None if path is None else [path], tokenizer, limit,
-                                                       split="eval", all_turns=all_turns,
+                                                       split="eval", report=report, all_turns=all_turns,
                                                        template_kwargs=template_kwargs)]
         if not got:
             where = path or "the embedded held-out split"
-            raise DFlashError(f"{where}: no usable prompts (each record needs a user turn before its first reply)")
+            raise DFlashError(f"{where}: no usable prompts{why_none(report)}")
         prompts += got
     return prompts
+
+
+def why_none(report) -> str:
+    """What the rows were skipped for, most common first, each with its first row and detail: a
+    tokenizer without a chat template and a file of reply-first records need different fixes."""
+    if not report.skipped_by_reason:
+        return " (each record needs a user turn before its first reply)"
+    parts = []
+    for reason, count in sorted(report.skipped_by_reason.items(), key=lambda kv: -kv[1]):
+        first = next((p for p in report.problems if p.reason == reason), None)
+        detail = f", first at row {first.row}: {first.detail[:160]}" if first else ""
+        parts.append(f"{count} row(s) {reason}{detail}")
+    return f" of {report.num_rows_read} row(s) read: " + "; ".join(parts)
 
 
 def file_labels(prompts: list[Prompt]) -> list[str]:
