@@ -63,7 +63,7 @@ def greedy_reference(runner, prompt: list[int], n: int):
 def blocked_logits(runner, prompt: list[int], tokens: list[int], q: int) -> torch.Tensor:
     """The logits predicting tokens[0..n) from block steps of q tokens: a block starts with the last
     committed token, as a verify step does ([n, V]). The first prediction comes from the prefill."""
-    first, _ = runner.prefill(0, prompt[:-1])
+    runner.prefill(0, prompt[:-1])
     out, committed = [], len(prompt) - 1
     seq = prompt + tokens
     io = runner.inputs(q)
@@ -75,7 +75,6 @@ def blocked_logits(runner, prompt: list[int], tokens: list[int], q: int) -> torc
         runner.step(q)
         out.append(io.logits_RqV[0, :len(block)].clone())
         committed += len(block)
-    del first
     return torch.cat(out)[: len(tokens)]
 
 
@@ -130,13 +129,21 @@ def forward_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         return model(ids, use_cache=False).logits[0, len(prompt) - 1:].float()
 
 
+def margins_ulp(top_vals: torch.Tensor, dtype) -> list[float]:
+    """The reference's top-2 margin m at each position, in ulp of `dtype` at that logit's magnitude."""
+    return in_ulp(top_vals[:, 0] - top_vals[:, 1], top_vals, dtype)
+
+
 def margin_gaps(top_ids: torch.Tensor, top_vals: torch.Tensor, other: torch.Tensor, dtype) -> list[float]:
     """|m - m'| in ulp of `dtype` at each position's logit magnitude."""
-    m = top_vals[:, 0] - top_vals[:, 1]
     o = other.gather(1, top_ids.to(other.device)).cpu()
-    m2 = o[:, 0] - o[:, 1]
+    return in_ulp((top_vals[:, 0] - top_vals[:, 1]) - (o[:, 0] - o[:, 1]), top_vals, dtype)
+
+
+def in_ulp(diffs: torch.Tensor, top_vals: torch.Tensor, dtype) -> list[float]:
+    """|diff| per position over the ulp of `dtype` at max(|top1|, |top2|) there (the rule's unit)."""
     mags = top_vals.abs().max(dim=1).values
-    return [abs(float(d)) / logit_ulp(float(x), dtype) for d, x in zip(m - m2, mags)]
+    return [abs(float(d)) / logit_ulp(float(x), dtype) for d, x in zip(diffs, mags)]
 
 
 def quantiles(xs: list[float]) -> dict[str, float]:
@@ -190,8 +197,7 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             tokens, top_ids, top_vals = greedy_reference(runner, prompt, n)
             decoded.append((prompt, tokens, top_ids, top_vals))
-            mags = top_vals.abs().max(dim=1).values
-            margins += [float(m) / logit_ulp(float(x), dtype) for m, x in zip(top_vals[:, 0] - top_vals[:, 1], mags)]
+            margins += margins_ulp(top_vals, dtype)
             for q in (16, 65):
                 gaps[f"verify{q}"] += margin_gaps(top_ids, top_vals, blocked_logits(runner, prompt, tokens, q), dtype)
             gaps["tree64"] += margin_gaps(top_ids, top_vals, tree_logits(runner, prompt, tokens), dtype)

@@ -10,6 +10,9 @@ go on), and the static drafter's round equals `DFlashDrafter.draft_step`.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,6 +23,7 @@ from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_draft
 from decoding_helpers import hf_greedy, tiny_causal_lm as tiny
 
 V = 96  # the vocabulary of helpers.tiny_causal_lm
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # bench/decode_attention.py, bench/tie_rule.py
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode faster on one thread
@@ -267,10 +271,6 @@ def test_decode_attention_candidates_equal_the_static_attention():
     """bench/decode_attention.py's candidates (written-out math, FlexAttention, FlexAttention reading only each
     row's own K/V blocks) give what `folded_attention` gives, on rows that end in different 128-slot blocks,
     for a decode step and a block verify: whichever the GPU measurement picks computes the same attention."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import decode_attention as da
 
     for R, hk, g, q, D in ((4, 3, 3, 1, 64), (3, 2, 4, 16, 32)):
@@ -305,10 +305,6 @@ def test_decode_attention_fp32_scores_are_closer_in_bf16():
     """In bf16 the written-out math rounds each score to bf16 before the softmax; `math_upcast` keeps them
     in fp32. At scores of realistic size (tens) the upcast one is the closer to an fp32 reference: the
     error the lossless check's tie rule has to absorb is the kernel's, so the candidate must not add to it."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import decode_attention as da
 
     q_, k_, v_, mask = da.inputs(2, 2, 4, 16, 64, 300, torch.bfloat16)
@@ -324,10 +320,6 @@ def test_tie_rule_bench_passes_reproduce_the_reference_logits():
     """bench/tie_rule.py compares the decode step's logits with those of block steps over the same tokens:
     in fp32 the blocks must give the same predictions at the same positions (else the bench would measure
     its own misalignment, not the kernels)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import tie_rule
 
     model = tiny("qwen3")

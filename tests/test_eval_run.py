@@ -7,7 +7,6 @@ sweep in one run, and the targets where trees are refused."""
 from __future__ import annotations
 
 import copy
-
 import io
 import json
 

@@ -6,7 +6,7 @@ margin that occurs in practice, so the check is exact: any difference fails.
 
 In bf16/fp16 the passes are different kernels (different reduction orders, different tiles), and the
 logits they produce legitimately differ by a few rounding steps: every layer's output is rounded, so
-the difference is not one rounding of the final logit but what thirty layers of them add up to. Where
+the difference is not one rounding of the final logit but what every layer's roundings add up to. Where
 the target's top two logits are that close, the passes may pick different tokens: a **tie
 divergence**, a fact of the arithmetic, not a bug. The rule:
 

@@ -52,22 +52,11 @@ def load_prompts(paths: list[str] | None, tokenizer, limit: int, all_turns: bool
                                                        template_kwargs=template_kwargs)]
         if not got:
             where = path or "the embedded held-out split"
-            raise DFlashError(f"{where}: no usable prompts{why_none(report)}")
+            why = (f" of {report.skipped_line()}" if report.num_skipped
+                   else " (each record needs a user turn before its first reply)")
+            raise DFlashError(f"{where}: no usable prompts{why}")
         prompts += got
     return prompts
-
-
-def why_none(report) -> str:
-    """What the rows were skipped for, most common first, each with its first row and detail: a
-    tokenizer without a chat template and a file of reply-first records need different fixes."""
-    if not report.skipped_by_reason:
-        return " (each record needs a user turn before its first reply)"
-    parts = []
-    for reason, count in sorted(report.skipped_by_reason.items(), key=lambda kv: -kv[1]):
-        first = next((p for p in report.problems if p.reason == reason), None)
-        detail = f", first at row {first.row}: {first.detail[:160]}" if first else ""
-        parts.append(f"{count} row(s) {reason}{detail}")
-    return f" of {report.num_rows_read} row(s) read: " + "; ".join(parts)
 
 
 def file_labels(prompts: list[Prompt]) -> list[str]:

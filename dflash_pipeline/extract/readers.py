@@ -115,11 +115,25 @@ class DataReport:
             lines.append(f"dropped, no two consecutive supervised tokens: {self.num_dropped_no_anchor:,}")
         if self.num_skipped:
             lines.append(f"skipped rows: {self.num_skipped:,}")
-            for reason, count in sorted(self.skipped_by_reason.items(), key=lambda kv: -kv[1]):
+            for reason, count in self.reasons_by_count():
                 lines.append(f"  {reason}: {count:,}")
             for p in self.problems[:num_examples]:
                 lines.append(f"  e.g. {p.file}:{p.row}: {p.reason} ({p.detail})")
         return lines
+
+    def reasons_by_count(self) -> list[tuple[str, int]]:
+        """(reason, rows skipped for it), most common first."""
+        return sorted(self.skipped_by_reason.items(), key=lambda kv: -kv[1])
+
+    def skipped_line(self, detail_chars: int = 160) -> str:
+        """The skipped rows in one line (for an error message): per reason, most common first, its count
+        and its first row with the detail."""
+        parts = []
+        for reason, count in self.reasons_by_count():
+            first = next((p for p in self.problems if p.reason == reason), None)
+            at = f", first at row {first.row}: {first.detail[:detail_chars]}" if first else ""
+            parts.append(f"{count} row(s) {reason}{at}")
+        return f"{self.num_rows_read} row(s) read: " + "; ".join(parts)
 
 
 @dataclass(frozen=True)
