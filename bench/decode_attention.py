@@ -7,13 +7,14 @@ only g*q = 3-4 queries onto each KV head, so its grid is one block per (row, KV 
 call and inside a CUDA graph as the runner runs them, the candidates on the same inputs (folded queries,
 an additive mask over the attended slots, as `StepState` builds it):
 
-  sdpa   what runs now (`folded_attention`: SDPA, memory-efficient or math backend)
+  sdpa   `folded_attention` with DFLASH_DECODE_ATTENTION=sdpa (SDPA, memory-efficient or math backend)
   math   the same attention written out: Q K^T (one batched GEMM over the slots, which cuBLAS spreads
          over the whole GPU), + mask, softmax in fp32, P V (a long-K GEMM: split-K)
   math-upcast  the same with the scores in fp32 (Q, K upcast first): `math` rounds scores to bf16, which
          is 2-4x SDPA's error (measured 2026-12-02) and matters to the lossless check's tie rule
   math-f32out  the same with fp32 scores out of the bf16 GEMM itself (`torch.bmm(..., out_dtype=float32)`,
-         CUDA only: an error on the CPU)
+         CUDA): the library's `written_out_attention`, the default kernel on CUDA since the 2026-12-02 run
+         (1.3-2.6x SDPA's speed at every shape; the upcast form was 3x slower than SDPA at 128 rows)
   flex   FlexAttention, compiled, the mask as a score_mod (its decoding kernel splits the slots over
          blocks for short queries)
   flex-sparse  the same with a block mask built from each row's length: a row reads only the K/V blocks
@@ -66,12 +67,10 @@ def inputs(R: int, hk: int, g: int, q: int, D: int, S: int, dtype: torch.dtype):
 
 
 def sdpa(q, k, v, mask, scale):
-    """`folded_attention` on the folded queries (as G query heads per KV head of one token: the same fold),
-    its [R, 1, h, D] output back in the candidates' layout [R, hk, G, D]."""
-    from dflash_pipeline.decoding.attention import folded_attention
+    """What `folded_attention` calls with DFLASH_DECODE_ATTENTION=sdpa, on the same folded layout."""
+    from dflash_pipeline.train.masks import attend
 
-    R, hk, G, D = q.shape
-    return folded_attention(q.reshape(R, hk * G, 1, D), k, v, mask, scale).reshape(R, hk, G, D)
+    return attend(q, k, v, mask, scale)
 
 
 def math(q, k, v, mask, scale):
@@ -80,21 +79,20 @@ def math(q, k, v, mask, scale):
 
 
 def math_upcast(q, k, v, mask, scale):
-    """`math` with the scores in fp32 (Q and K upcast before Q K^T: a copy of K in fp32 per call), as
-    `folded_attention` runs it with DFLASH_DECODE_ATTENTION=math. `math` rounds the scores to bf16 before
-    the softmax (a step of 0.125 at a score of 16)."""
-    from dflash_pipeline.decoding.attention import written_out_attention
-
-    return written_out_attention(q, k, v, mask, scale)
+    """`math` with the scores in fp32, Q and K upcast before Q K^T (a copy of K in fp32 per call): the
+    library's first fp32-score form. `math` rounds the scores to bf16 before the softmax (a step of 0.125
+    at a score of 16)."""
+    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 def math_f32out(q, k, v, mask, scale):
-    """`math` with the scores in fp32 straight out of the bf16 GEMM (`out_dtype`: CUDA only), no copy of K."""
-    R, hk, G, D = q.shape
-    S = k.shape[2]
-    scores = torch.bmm((q * scale).reshape(R * hk, G, D), k.reshape(R * hk, S, D).transpose(1, 2),
-                       out_dtype=torch.float32).view(R, hk, G, S) + mask
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    """`math` with the scores in fp32 straight out of the bf16 GEMM (`out_dtype`, CUDA; the upcast form
+    elsewhere), no copy of K, the scale applied to the fp32 scores with the mask: the library's
+    `written_out_attention`, what `folded_attention` runs on CUDA by default (DFLASH_DECODE_ATTENTION=auto)."""
+    from dflash_pipeline.decoding.attention import written_out_attention
+
+    return written_out_attention(q, k, v, mask, scale)
 
 
 def make_flex(compile: bool, sparse: bool, block: int = 128):

@@ -295,10 +295,35 @@ def test_decode_attention_kernel_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("DFLASH_DECODE_ATTENTION", " Math ")
     assert attention.kernel_from_env() == "math"
     monkeypatch.delenv("DFLASH_DECODE_ATTENTION")
-    assert attention.kernel_from_env() == "sdpa"
+    assert attention.kernel_from_env() == "auto"
     monkeypatch.setenv("DFLASH_DECODE_ATTENTION", "flash")
-    with pytest.raises(DFlashError, match="DFLASH_DECODE_ATTENTION='flash': expected one of sdpa, math"):
+    with pytest.raises(DFlashError, match="DFLASH_DECODE_ATTENTION='flash': expected one of auto, sdpa, math"):
         attention.kernel_from_env()
+
+
+def test_auto_kernel_is_math_on_cuda_and_sdpa_elsewhere(monkeypatch):
+    """`auto` (the default) picks per device what the H200 and the CPU calibrations chose; a named kernel
+    is used everywhere. Checked through `folded_attention`'s dispatch, not only the reported name."""
+    from dflash_pipeline.decoding import attention
+
+    monkeypatch.setattr(attention, "KERNEL", "auto")
+    assert attention.kernel_for("cuda:1") == "math" and attention.kernel_for("cpu") == "sdpa"
+    # a call whose scores would not stay small (a multi-row prefill) runs on SDPA, and plans count only the
+    # calls that materialise them
+    cap = attention.WRITTEN_OUT_MAX_SCORE_BYTES // 4
+    assert attention.kernel_for("cuda", cap) == "math" and attention.kernel_for("cuda", cap + 1) == "sdpa"
+    assert attention.written_out_workspace(cap) > 0 and attention.written_out_workspace(cap + 1) == 0
+    monkeypatch.setattr(attention, "KERNEL", "math")
+    assert attention.kernel_for("cpu") == "math"
+    calls = []
+    monkeypatch.setattr(attention, "written_out_attention", lambda *a, **k: calls.append(a) or a[0])
+    monkeypatch.setattr(attention, "attend", lambda *a, **k: calls.append(None) or a[0])
+    q, kv, bias = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8), torch.zeros(1, 1, 2, 5)
+    for kernel, want in (("auto", None), ("sdpa", None), ("math", q)):
+        calls.clear()
+        monkeypatch.setattr(attention, "KERNEL", kernel)
+        attention.folded_attention(q, kv, kv, bias, 1.0)
+        assert len(calls) == 1 and (calls[0] is None) == (want is None), kernel
 
 
 def test_decode_attention_fp32_scores_are_closer_in_bf16():

@@ -124,6 +124,39 @@ def test_fp32_graphed_speculative_decoding_with_the_written_out_attention(kind, 
     speculative_equals_generate(kind, compile=False)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_written_out_attention_in_bf16_takes_fp32_scores_from_the_gemm(compile):
+    """On CUDA the default kernel's scores come out of the bf16 GEMM in fp32, K read in place from a cache
+    cut to the attended slots (no copy): as close to an fp64 reference as the upcast form and SDPA, and
+    the same under torch.compile (the runner's `compile=True`)."""
+    from dflash_pipeline.decoding import attention
+    from dflash_pipeline.train.masks import attend
+
+    if DEVICE != "cuda" or not attention._BMM_FP32_OUT:
+        pytest.skip("the fp32-out GEMM is a CUDA path")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    R, hk, G, D, S = 3, 2, 8, 64, 300
+    cache = torch.randn(R, hk, 512, D, generator=g).to(DEVICE, torch.bfloat16)
+    key = cache[:, :, :S]                                              # the runner's attended view of its buffer
+    assert key.reshape(R * hk, S, D).data_ptr() == key.data_ptr()       # merged without a copy
+    value = torch.randn(R, hk, S, D, generator=g).to(DEVICE, torch.bfloat16)
+    q = (6 * torch.randn(R, hk, G, D, generator=g)).to(DEVICE, torch.bfloat16)  # peaked scores of order 10-40
+    visible = torch.rand(R, 1, G, S, generator=g).to(DEVICE) < 0.8
+    visible[..., 0] = True
+    bias = torch.zeros(visible.shape, device=DEVICE, dtype=torch.bfloat16).masked_fill_(~visible, float("-inf"))
+    scale = D ** -0.5
+    fn = torch.compile(attention.written_out_attention, dynamic=False) if compile else attention.written_out_attention
+    out = fn(q, key, value, bias, scale)
+    probs = torch.softmax(q.double() @ key.double().transpose(2, 3) * scale + bias.double(), dim=-1)
+    ref = probs @ value.double()
+    err = (out.double() - ref).abs().max().item()
+    upcast = torch.softmax(q.float() @ key.float().transpose(2, 3) * scale + bias.float(), dim=-1)
+    err_upcast = ((upcast.to(torch.bfloat16) @ value).double() - ref).abs().max().item()
+    err_sdpa = (attend(q, key, value, bias, scale).double() - ref).abs().max().item()
+    assert out.dtype == torch.bfloat16 and out.shape == (R, hk, G, D)
+    assert err <= 1.5 * max(err_upcast, err_sdpa), (err, err_upcast, err_sdpa)
+
+
 def test_compiled_graphed_speculative_decoding_equals_generate():
     """The same with the steps' forward and the drafter's elementwise chains through torch.compile."""
     speculative_equals_generate("qwen3", compile=True)

@@ -23,13 +23,18 @@ GQA without repeated K/V: the g query heads of one KV head are folded into the q
 ([R, h, q, D] -> [R, h_kv, g*q, D]), so one SDPA call reads each KV head once, and the folded mask
 is a plain [R, 1, g*q, S] additive bias that the memory-efficient kernel takes.
 
-The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `sdpa` (default), the memory-efficient SDPA
-kernel; or `math`, the attention written out (Q K^T with the scores in fp32, softmax, P V), two batched
-GEMMs that cuBLAS spreads over the whole GPU where SDPA's grid is one block per (row, KV head) at
-decoding's few folded queries. On an H200 the written-out form (bf16 scores) was 1.9-2.3x faster than
-SDPA at batch-1 decode and verify shapes and 1.3x at 128 rows (BENCHMARKS.md); with fp32 scores it is
-the default once a GPU run has timed it and checked the lossless rule with it. Soft-capped models
-(Gemma 2) always use it: SDPA has no soft-capping.
+The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `auto` (default) is `math` on CUDA and
+`sdpa` elsewhere, and `sdpa` for a call whose scores would pass WRITTEN_OUT_MAX_SCORE_BYTES (a multi-row
+prefill); `sdpa` is the memory-efficient SDPA kernel; `math` is the attention written out (Q K^T with
+the scores in fp32, softmax, P V), two batched GEMMs that cuBLAS spreads over the whole GPU where SDPA's
+grid is one block per (row, KV head) at decoding's few folded queries. On CUDA the scores come out of
+the bf16 GEMM in fp32 (`out_dtype`), so K is never copied; elsewhere Q and K are upcast first.
+Measured on an H200 (BENCHMARKS.md): 1.3-2.6x faster than SDPA at every decode, verify, tree and
+generation shape, with errors against fp32 within 2x of SDPA's; in the bf16 tie calibration on the real
+SmolLM2 (its upcast form) it moved the top-2 margin between the decode step and chain / tree verify
+steps by at most 8 ulp where SDPA's tree verify moved it by 46. On the CPU SDPA is the tighter one
+(4-5.5 ulp against 8-9), so `auto` keeps it there. Soft-capped models (Gemma 2) always use `math`: SDPA
+has no soft-capping.
 
 Legend: R rows in the call, q new tokens per row, S attended cache slots, h query heads, hk KV heads,
 g = h / hk, D head dim.
@@ -50,17 +55,41 @@ from dflash_pipeline.train.masks import attend
 STATIC_ATTENTION = "static_kv"  # no "flash" in the name: transformers reads that as a flash kernel
 _ACTIVE = threading.local()
 KERNEL_ENV = "DFLASH_DECODE_ATTENTION"
-KERNELS = ("sdpa", "math")
+KERNELS = ("auto", "sdpa", "math")
 
 
 def kernel_from_env() -> str:
-    name = os.environ.get(KERNEL_ENV, "sdpa").strip().lower() or "sdpa"
+    name = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if name not in KERNELS:
         raise DFlashError(f"{KERNEL_ENV}={name!r}: expected one of {', '.join(KERNELS)}")
     return name
 
 
 KERNEL = kernel_from_env()  # module state, not read per call: a compiled or captured step sees a constant
+# bf16 x bf16 -> fp32 batched GEMM (`torch.bmm(..., out_dtype=torch.float32)`): CUDA builds of recent torch
+_BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()
+
+
+# The written-out kernel materialises the scores ([R, h, q, S] fp32, then the softmax beside them): `auto`
+# takes it only while they stay this small. Decoding's steps are far below (Qwen3-8B, 128 rows x 4K slots:
+# 64 MiB); a multi-row prefill of `dflash generate` (8K tokens per forward) is far above and runs on SDPA.
+WRITTEN_OUT_MAX_SCORE_BYTES = 256 << 20
+WRITTEN_OUT_BYTES_PER_SCORE = 12  # its peak per score: fp32 scores, fp32 softmax, bf16 probabilities
+
+
+def kernel_for(device: torch.device | str, scores: int = 0) -> str:
+    """The kernel a call with `scores` = R * h * q * S attention scores uses on `device` (`auto` resolved):
+    what `folded_attention` runs, and what benchmarks and reports name."""
+    if KERNEL != "auto":
+        return KERNEL
+    small = scores * 4 <= WRITTEN_OUT_MAX_SCORE_BYTES
+    return "math" if torch.device(device).type == "cuda" and small else "sdpa"
+
+
+def written_out_workspace(scores: int) -> int:
+    """Bytes the written-out kernel needs beside its inputs for a call of `scores` scores under `auto` (0
+    where `auto` runs SDPA), for memory plans that must not guess (generate/rows.py)."""
+    return scores * WRITTEN_OUT_BYTES_PER_SCORE if scores * 4 <= WRITTEN_OUT_MAX_SCORE_BYTES else 0
 
 
 class StaticKV:
@@ -107,7 +136,7 @@ def folded_attention(query_RhqD: torch.Tensor, key_RkSD: torch.Tensor, value_RkS
     hk = key_RkSD.shape[1]
     g = h // hk
     q_RkGD = query_RhqD.reshape(R, hk, g * q, D)
-    if softcap or KERNEL == "math":
+    if softcap or kernel_for(query_RhqD.device, R * h * q * key_RkSD.shape[2]) == "math":
         out = written_out_attention(q_RkGD, key_RkSD, value_RkSD, bias_R1GS, scale, softcap)
     else:
         out = attend(q_RkGD, key_RkSD, value_RkSD, bias_R1GS, scale)
@@ -116,13 +145,26 @@ def folded_attention(query_RhqD: torch.Tensor, key_RkSD: torch.Tensor, value_RkS
 
 def written_out_attention(q_RkGD: torch.Tensor, key_RkSD: torch.Tensor, value_RkSD: torch.Tensor,
                           bias_R1GS: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
-    """softmax(Q K^T * scale (soft-capped) + bias) V, the scores and softmax in fp32: Q and K are upcast
-    before the product, since bf16 scores would round a score of 16 to steps of 0.125 and carry 2-4x
-    SDPA's error into the logits that the lossless check's tie rule compares."""
-    scores = torch.matmul(q_RkGD.float(), key_RkSD.float().transpose(2, 3)) * scale
+    """softmax(Q K^T * scale (soft-capped) + bias) V with the scores and softmax in fp32: bf16 scores would
+    round a score of 16 to steps of 0.125 and carry 2-4x SDPA's error into the logits that the lossless
+    check's tie rule compares. On CUDA the bf16 GEMM writes fp32 scores itself (upcasting K instead made a
+    128-row generation step's attention 3x slower than SDPA's); the scale is applied in fp32, with the bias
+    in the same kernel."""
+    R, hk, G, D = q_RkGD.shape
+    S = key_RkSD.shape[2]
+    if q_RkGD.is_cuda and q_RkGD.dtype != torch.float32 and _BMM_FP32_OUT:
+        # [R, hk] merge into one batch dimension without a copy: the cache's rows and heads are laid out
+        # contiguously (only the slot dimension is cut to the attended bucket)
+        scores = torch.bmm(q_RkGD.reshape(R * hk, G, D), key_RkSD.reshape(R * hk, S, D).transpose(1, 2),
+                           out_dtype=torch.float32).view(R, hk, G, S)
+    else:
+        scores = torch.matmul(q_RkGD.float(), key_RkSD.float().transpose(2, 3))
     if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores + bias_R1GS, dim=-1)
+        scores = torch.tanh(scores * (scale / softcap)) * softcap + bias_R1GS
+    else:
+        scores = torch.add(bias_R1GS, scores, alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
+    del scores
     return torch.matmul(probs.to(value_RkSD.dtype), value_RkSD)
 
 
@@ -203,5 +245,5 @@ def register() -> None:
     AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
-__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "StaticKV", "StepState", "active", "active_state", "target_visible",
+__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "kernel_for", "written_out_workspace", "StaticKV", "StepState", "active", "active_state", "target_visible",
            "fold_mask", "folded_attention", "written_out_attention", "static_attention", "register"]

@@ -17,17 +17,21 @@ x in [2^e, 2^(e+1)); a bf16 logit near 20 has ulp 0.125, so TIE_ULPS = 8 excuses
 there). A divergence at a clear margin is a failure.
 
 TIE_ULPS is measured, not assumed (`bench/tie_rule.py`): the real SmolLM2-135M in bf16, 2,048 greedy
-positions on the CPU, puts the same top-2 margin this far apart between its one-token decode step and
-a chain verify (blocks of 16 or 65), a tree-laid-out verify and a plain forward: median 0.5 ulp, p99
-2-3, p99.9 4, max 4 (chain) and 5.5 (tree) with the default attention kernel; with the written-out one
-(`DFLASH_DECODE_ATTENTION=math`) p99.9 6-8, max 8-9, and 12 against the plain forward (transformers'
-own SDPA: another algorithm altogether). On an H200 two tree-verify divergences sat at 4 ulp. The first
-rule (2 ulp: one rounding per pass) failed those runs although fp32 was exact on the same prompts. 8
-covers every gap of the default kernel with headroom and the p99.9 of both; the gap is heavy-tailed,
-so a rare divergence past it on a correct run stays possible (that is what fp32 settles). What the
-rule gives up is the check at the positions whose margin is that small (28-33% of them for SmolLM2 on
-chat prompts), where a bug would pass as a tie: a bug shows at the others, and fp32 (`--dtype fp32`)
-stays exact everywhere.
+positions, puts the same top-2 margin this far apart between its one-token decode step and a chain
+verify (blocks of 16 or 65), a tree-laid-out verify and a plain forward (transformers' own, another
+algorithm altogether):
+- on an H200 with the default kernel there (`math`, fp32 scores; decoding/attention.py; measured in
+  its first form, Q and K upcast before the product): p99 1-2 ulp,
+  p99.9 2-6, max 8 (chain) and 7 (tree), 19 against the plain forward; with SDPA the chain's max was 3
+  but the tree verify's 46;
+- on the CPU with the default kernel there (SDPA): p99 2-3, p99.9 4, max 4 (chain) and 5.5 (tree); the
+  written-out kernel: max 8-9, 12 against the plain forward.
+The first rule (2 ulp: one rounding per pass) failed correct GPU tree runs at 4 ulp although fp32 was
+exact on the same prompts. 8 covers every gap between the decoding passes of each device's default
+kernel (the GPU's chain maximum exactly); the gap is heavy-tailed, so a rare divergence past it on a
+correct run stays possible (that is what fp32 settles). What the rule gives up is the check at the
+positions whose margin is that small (28-33% of them for SmolLM2 on chat prompts), where a bug would
+pass as a tie: a bug shows at the others, and fp32 (`--dtype fp32`) stays exact everywhere.
 
 After a tie the two outputs continue from different prefixes, so comparing them further says nothing.
 The speculative output is then checked against the target's own greedy choice along the speculative

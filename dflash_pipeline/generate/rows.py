@@ -64,23 +64,29 @@ def runner_slots(capacity: int) -> int:
     return round_up(capacity, SLOT_ROUND)
 
 
-def step_workspace(config, dtype: torch.dtype, rows: int) -> int:
-    """Bytes a decode step needs beside the cache at `rows` rows: the model's logits and the runner's
-    fp32 copy, the sampling's temporaries per vocabulary entry at their worst (top-p over the whole
-    vocabulary: a sort's values and ids, softmax, cumulative mass, the masked logits, three hash words,
-    the uniform, its Gumbel noise and the noisy logits), activations."""
+def step_workspace(config, dtype: torch.dtype, rows: int, slots: int = 0) -> int:
+    """Bytes a decode step needs beside the cache at `rows` rows over `slots` slots: the model's logits
+    and the runner's fp32 copy, the sampling's temporaries per vocabulary entry at their worst (top-p over
+    the whole vocabulary: a sort's values and ids, softmax, cumulative mass, the masked logits, three hash
+    words, the uniform, its Gumbel noise and the noisy logits), activations, and the attention's scores
+    where the written-out kernel runs (decoding/attention.py)."""
+    from dflash_pipeline.decoding.attention import written_out_workspace
+
     s = _shape(config)
     elt = torch.empty(0, dtype=dtype).element_size()
     per_entry = elt + 4 + (4 + 4 + 8 + 4 + 4 + 4 + 3 * 8 + 4 + 4 + 4)
     act = (4 * s["hidden"] + 3 * s["intermediate"]) * elt
-    return rows * (s["vocab"] * per_entry + act)
+    return rows * (s["vocab"] * per_entry + act) + written_out_workspace(rows * s["heads"] * slots)
 
 
 def prefill_workspace(config, dtype: torch.dtype, capacity: int, rows: int) -> int:
     """Bytes one prefill forward needs (generate/prefill.py): at most T = PREFILL_TOKENS padded tokens
     of activations and folded attention bias over C slots, the rows' gathered K and V (at most T/Q rows
     reach C slots; shorter ones attend to fewer), and the last tokens' logits of every row. The bias is
-    one per attention window, each made from a folded visibility copy (bool) that lives while it is built."""
+    one per attention window, each made from a folded visibility copy (bool) that lives while it is built;
+    the attention's scores where the written-out kernel runs (small targets)."""
+    from dflash_pipeline.decoding.attention import written_out_workspace
+
     s = _shape(config)
     elt = torch.empty(0, dtype=dtype).element_size()
     T, C, Q = PREFILL_TOKENS, capacity, PREFILL_CHUNK
@@ -89,7 +95,7 @@ def prefill_workspace(config, dtype: torch.dtype, capacity: int, rows: int) -> i
     bias = s["windows"] * folded * elt + folded + T * C                   # biases, folded copy, visibility
     kv = max(T, (T // Q) * C) * s["kv_heads"] * s["head_dim"] * elt * 2
     logits = min(rows, T) * s["vocab"] * (elt + 4 + 4)                    # head output, fp32, sampling
-    return act + bias + kv + logits
+    return act + bias + kv + logits + written_out_workspace(T * s["heads"] * C)
 
 
 @dataclass
@@ -116,7 +122,7 @@ def budget_for(config, dtype: torch.dtype, capacity: int, rows: int, *, prefill_
                free_bytes: int = 0, margin: int = 0) -> RowBudget:
     """What `rows` rows of `capacity` tokens need (the prefill's logits sized for `prefill_rows`)."""
     per_token, slots = kv_bytes_per_token(config, dtype), runner_slots(capacity)
-    return RowBudget(rows, capacity, per_token, rows * slots * per_token, step_workspace(config, dtype, rows),
+    return RowBudget(rows, capacity, per_token, rows * slots * per_token, step_workspace(config, dtype, rows, slots),
                      prefill_workspace(config, dtype, slots, prefill_rows or rows), free_bytes, margin)
 
 
