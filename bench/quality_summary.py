@@ -107,12 +107,14 @@ def _lossless(r: dict[str, Any]) -> str:
 
 
 def store_rows(b) -> tuple[list[list[Any]], dict[str, Any]]:
-    from quality import STORES
+    from quality import DEFAULT_STORES, STORES
 
     data = b.read("data")
     rows, recs = [], {}
     for name in STORES:
         f = b.root / "stores" / f"{name}.json"
+        if not f.exists() and name not in DEFAULT_STORES:
+            continue  # an optional store this run did not extract
         if not f.exists():
             rows.append([name] + ["-"] * 7)
             continue
@@ -126,7 +128,7 @@ def store_rows(b) -> tuple[list[list[Any]], dict[str, Any]]:
 
 
 def build_summary(b) -> tuple[str, dict[str, Any]]:
-    from quality import RECIPES, best_run
+    from quality import RECIPES, VARIANT_TAGS, best_run
 
     out: list[str] = [f"# Drafter quality: {'SMOKE (CPU, tiny)' if b.smoke else 'SmolLM2-135M-Instruct'}", ""]
     rec: dict[str, Any] = {"smoke": b.smoke}
@@ -164,7 +166,8 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
     rec["recipes"] = {n: run_row(b, n) for n in recipe_names}
 
     if best:
-        var = [n for n in (best, f"{best}@orig", f"{best}@fp8") if (b.run_dir(n) / "summary.json").exists()]
+        var = [n for n in (best, *(f"{best}@{t}" for t in VARIANT_TAGS.values()))
+               if (b.run_dir(n) / "summary.json").exists()]
         out += [f"## The best recipe ({best}) on other data", _table(head, _recipe_rows(b, var)), ""]
         rec["variants"] = {n: run_row(b, n) for n in var}
         curve = sorted([n for n in _runs_like(b, f"{best}@steps")] + [best],

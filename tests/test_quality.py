@@ -258,6 +258,45 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     assert "| ce@orig | store orig-bf16 |" in md
 
 
+def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypatch):
+    """--stores regen-t1-bf16,mix-bf16: part `data` regenerates a second set at T=1 (only then), the mixed
+    store is extracted from both sets of replies, and their variants train under their own names."""
+    import quality
+
+    ran: list = []
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+    monkeypatch.setattr(quality, "generate_command_exists", lambda b: True)
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+    b.write("inputs", {"complete": True})
+    b.data("orig.jsonl").write_text("{}\n")
+
+    def cmds(part, *args):
+        ran.clear()
+        part(b, *args)
+        return {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran}
+
+    def opt(cmd, flag):
+        return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+    b.stores = ["regen-bf16"]
+    assert list(cmds(quality.part_data, None, "cli")) == ["generate"]    # the default run: greedy only
+    b.stores = ["regen-bf16", "regen-t1-bf16", "mix-bf16"]
+    gen = cmds(quality.part_data, None, "cli")
+    assert opt(gen["generate"], "--temperature") == ["0"] and opt(gen["generate-regen-t1"], "--temperature") == ["1"]
+    assert opt(gen["generate-regen-t1"], "--out") == [str(b.data("regen-t1"))]
+    b.write("data", {**b.read("data"), "complete": True})
+    stores = cmds(quality.part_stores, None)
+    assert set(stores) == {"extract-regen-bf16", "extract-regen-t1-bf16", "extract-mix-bf16"}
+    assert opt(stores["extract-mix-bf16"], "--data") == [str(b.data("orig.jsonl")), str(b.data("regen"))]
+    assert opt(stores["extract-regen-t1-bf16"], "--data") == [str(b.data("regen-t1"))]
+    for name in ("regen-t1-bf16", "mix-bf16"):
+        (b.root / "stores" / f"{name}.json").write_text("{}")
+    b.best_override, b.variant_stores = "ce", ["regen-t1-bf16", "mix-bf16"]
+    runs = cmds(quality.part_variants, None)
+    assert opt(runs["ce@t1"], "--store") == [str(b.store("regen-t1-bf16"))]
+    assert opt(runs["ce@mix"], "--store") == [str(b.store("mix-bf16"))]
+
+
 def test_only_the_alone_eval_compiles_when_asked(tmp_path):
     """--eval-compile 1 times the speedup with compiled kernels; the shared evals stay as they were."""
     import dataclasses
