@@ -157,6 +157,7 @@ STORES = {"orig-bf16": (("orig",), "bf16"), "regen-bf16": (("regen",), "bf16"), 
 DEFAULT_STORES = ("orig-bf16", "regen-bf16", "regen-fp8")
 VARIANT_TAGS = {"orig-bf16": "orig", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix"}  # run name suffix
 REGEN_TEMPERATURE = {"regen": 0.0, "regen-t1": 1.0}
+GENERATION_FIELDS = ("n", "max_prompt_tokens", "max_new_tokens", "max_length", "turns")  # what data/regen* depend on
 
 
 @dataclass
@@ -385,6 +386,12 @@ def part_data(b: Bench, deadline: float | None, regen_backend: str) -> None:
     if b.redo:
         for f in b.root.joinpath("data").glob("regen*"):
             shutil.rmtree(f) if f.is_dir() else f.unlink()
+    else:  # conversations regenerated earlier (this root, or carried from another session) must fit this plan
+        made = rec.get("plan") or {}
+        diff = [f"{k} {made[k]} (now {getattr(p, k)})" for k in GENERATION_FIELDS if k in made and made[k] != getattr(p, k)]
+        if diff:
+            raise SystemExit(f"{b.data('regen')} was generated with {', '.join(diff)}: run part `data` with the "
+                             "same options, or with --redo to generate it again")
     backend = regen_backend
     if backend == "cli" and not generate_command_exists(b):
         if not b.smoke:

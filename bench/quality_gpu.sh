@@ -15,6 +15,8 @@
 #   call 3                   bash bench/quality_gpu.sh run recipes
 #   call 4                   bash bench/quality_gpu.sh run variants curve
 #   call 5                   bash bench/quality_gpu.sh run specforge online summary
+# Each call also returns $OUT/regen-data.tgz once part `data` has finished: copied into .qinputs/ here, the
+# next session's setup restores it and part `data` skips the generation (~3 minutes of device time).
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
 # resume from their SIGTERM checkpoints, finished runs and evals are skipped).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT, weights in 15 MiB parts),
@@ -51,6 +53,9 @@ smoke)
     --root "${SMOKE_ROOT:-/tmp/dflash-quality-smoke}" --smoke ${Q_ARGS:-} ;;
 setup)
   mkdir -p $root && cp .m1/p0 $keep/ && tar xzf .qinputs/inputs.tgz -C $root || exit 1
+  # the regenerated conversations of an earlier session (its $OUT/regen-data.tgz, copied into .qinputs/):
+  # part `data` then skips generation (it refuses them if they were made with other settings)
+  if [ -f .qinputs/regen-data.tgz ]; then tar xzf .qinputs/regen-data.tgz -C $root && echo "regenerated data restored"; fi
   $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
   ls $keep ;;
@@ -67,6 +72,10 @@ run)
     $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
     cp $root/summary.md $OUT/ 2>/dev/null
     tail -c 4000000 $root/log.txt > $OUT/log.txt
+    if [ -f $root/data/regen.done ]; then  # small (~5 MB): a later session carries it back (setup) and saves the generation
+      (cd $root && tar czf $OUT/regen-data.tgz data/regen data/regen.done results/data.json \
+        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null))
+    fi
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
       runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
       runs/*/final/config.json 2>/dev/null)

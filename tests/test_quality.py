@@ -280,6 +280,10 @@ def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypa
 
     b.stores = ["regen-bf16"]
     assert list(cmds(quality.part_data, None, "cli")) == ["generate"]    # the default run: greedy only
+    # data generated with other settings (e.g. carried from an earlier session) is refused, not reused
+    other = quality.Bench(str(tmp_path), None, quality.dataclasses.replace(quality.SMOKE, max_new_tokens=99), smoke=True)
+    with pytest.raises(SystemExit, match=r"generated with max_new_tokens 16 \(now 99\)"):
+        quality.part_data(other, None, "cli")
     b.stores = ["regen-bf16", "regen-t1-bf16", "mix-bf16"]
     gen = cmds(quality.part_data, None, "cli")
     assert opt(gen["generate"], "--temperature") == ["0"] and opt(gen["generate-regen-t1"], "--temperature") == ["1"]
