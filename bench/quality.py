@@ -666,7 +666,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"extracts, of {', '.join(STORES)} (regen-t1: sampled regeneration at T=1; mix: original and "
                     "greedy regenerated replies in one store)")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
-                    help="comma list: the stores part `variants` trains the best recipe on")
+                    help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
                     "the chat T=0 evals also verify, e.g. 16,64 (the chain, budget 0, is always measured)")
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",

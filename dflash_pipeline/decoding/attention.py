@@ -245,5 +245,6 @@ def register() -> None:
     AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
-__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "kernel_for", "written_out_workspace", "StaticKV", "StepState", "active", "active_state", "target_visible",
-           "fold_mask", "folded_attention", "written_out_attention", "static_attention", "register"]
+__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "kernel_for", "written_out_workspace", "StaticKV", "StepState", "active",
+           "active_state", "target_visible", "fold_mask", "folded_attention", "written_out_attention",
+           "static_attention", "register"]
