@@ -526,6 +526,7 @@ def test_random_drafter_is_lossless_on_real_target(tmp_path, smollm_dir, smollm_
     assert report["lossless_rule"].startswith("exact") and report["dtype"] == "float32"
     assert list(report["per_file"]) == cfg.prompts and report["per_file"][cfg.prompts[0]]["tau"] == report["tau"]
     assert report["decoding"] == "graphed" and report["step_ms_clock"] == "host clock" and report["processes"] == 1
+    assert report["decode_attention"] == "sdpa"  # `auto` on the CPU; the report names the kernel its numbers came from
     assert all(report["step_ms"][k] > 0 for k in ("target_decode", "target_verify", "drafter"))
     ms = report["step_ms"]
     assert report["speedup_from_step_times"] == pytest.approx(

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dflash_pipeline.decoding.attention import kernel_for
 from dflash_pipeline.decoding.tree import check_tree_target
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
@@ -377,7 +378,11 @@ def _decode_share(proc: Proc, cfg: EvalConfig, prompts: list[Prompt], progress: 
             stop_ids=stop_ids, seed=cfg.seed, progress=progress, budgets=cfg.tree_budget)
     finally:
         target.close()
-    share.update(decoding="graphed" if isinstance(target, GraphedTarget) else "eager", block_size=drafter.block_size)
+    graphed = isinstance(target, GraphedTarget)
+    # the target's attention in its steps: the static runner's kernel (decoding/attention.py), or
+    # transformers' own on the eager path; named so that a report says which kernel its numbers came from
+    share.update(decoding="graphed" if graphed else "eager", block_size=drafter.block_size,
+                 decode_attention=kernel_for(device) if graphed else "transformers")
     return share
 
 
@@ -393,7 +398,8 @@ def merge_shares(cfg: EvalConfig, shares: list[dict[str, Any]], target_path: str
     first = done[0]
     report = build_report(results, times, block_size=first["block_size"], temperature=cfg.temperature,
                           dtype=first["dtype"], cuda=first["device"].startswith("cuda"))
-    report.update(decoding=first["decoding"], processes=len(shares), devices=[s["device"] for s in shares],
+    report.update(decoding=first["decoding"], decode_attention=first.get("decode_attention"), processes=len(shares),
+                  devices=[s["device"] for s in shares],
                   drafter=str(cfg.drafter), target=str(target_path), max_new_tokens=cfg.max_new_tokens,
                   all_turns=cfg.all_turns, config=cfg.to_dict())
     if cfg.records:
