@@ -9,8 +9,12 @@
             eager (`--no-compile`): what the compiled kernels are worth. Goal: MFU >= 60%.
   memory    hidden 5120, vocab 248,320, intermediate 17,408, 5 layers, block 32, 1,024 anchors,
             one 49,152-token row, KL on: the case that crashed an online pipeline. Goal: peak < 80 GB.
+  smollm2   (only when asked) the SmolLM2-135M-shaped drafter that bench/quality.py trains (hidden 576,
+            intermediate 1,536, 9/3 heads of 64, vocab 49,152), same rows, anchors and block: it ran at
+            ~47K input tok/s on an H200 (2026-12-02), its step far from compute-bound; with --profile,
+            where its time goes (every quality run's training minutes are these steps).
 
-    python bench/train.py [--only step|memory] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
+    python bench/train.py [--only step|memory|smollm2] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
     python bench/train.py --smoke      # tiny shapes on the CPU: checks the script before GPU time
 """
 
@@ -178,7 +182,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["step", "memory"], default=None)
+    ap.add_argument("--only", choices=["step", "memory", "smollm2"], default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write the step's CUDA kernels by GPU time to this file")
@@ -201,6 +205,10 @@ def main() -> None:
                                          heads=32, kv=8, V=151936, B=16, anchors=512, R=4, S=3072, kl=False,
                                          steps=args.steps, conventional=False, compiled=False))
         out["results"][-1]["compiled_speedup"] = out["results"][-1]["step_s"] / out["results"][-2]["step_s"]
+    if args.only == "smollm2":
+        out["results"].append(bench_case("smollm2-135m drafter, 4x3072, 512 anchors, B=16", H=576, I=1536, heads=9,
+                                         kv=3, V=49152, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps,
+                                         head_dim=64, profile=args.profile))
     if args.only in (None, "memory"):
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
