@@ -313,6 +313,9 @@ def test_auto_kernel_is_math_on_cuda_and_sdpa_elsewhere(monkeypatch):
     cap = attention.WRITTEN_OUT_MAX_SCORE_BYTES // 4
     assert attention.kernel_for("cuda", cap) == "math" and attention.kernel_for("cuda", cap + 1) == "sdpa"
     assert attention.written_out_workspace(cap) > 0 and attention.written_out_workspace(cap + 1) == 0
+    monkeypatch.setattr(attention, "_BMM_FP32_OUT", False)  # an older torch: only the upcasting form, slower
+    assert attention.kernel_for("cuda") == "sdpa" and attention.written_out_workspace(cap) == 0
+    monkeypatch.setattr(attention, "_BMM_FP32_OUT", True)
     monkeypatch.setattr(attention, "KERNEL", "math")
     assert attention.kernel_for("cpu") == "math"
     calls = []

@@ -83,13 +83,15 @@ def kernel_for(device: torch.device | str, scores: int = 0) -> str:
     if KERNEL != "auto":
         return KERNEL
     small = scores * 4 <= WRITTEN_OUT_MAX_SCORE_BYTES
-    return "math" if torch.device(device).type == "cuda" and small else "sdpa"
+    # without the fp32-out GEMM (older torch) the written-out form upcasts K per call: slower than SDPA at
+    # generation's batches, so `auto` keeps SDPA there
+    return "math" if torch.device(device).type == "cuda" and small and _BMM_FP32_OUT else "sdpa"
 
 
 def written_out_workspace(scores: int) -> int:
-    """Bytes the written-out kernel needs beside its inputs for a call of `scores` scores under `auto` (0
-    where `auto` runs SDPA), for memory plans that must not guess (generate/rows.py)."""
-    return scores * WRITTEN_OUT_BYTES_PER_SCORE if scores * 4 <= WRITTEN_OUT_MAX_SCORE_BYTES else 0
+    """Bytes the written-out kernel may need beside its inputs for a call of `scores` scores under `auto`
+    (0 where `auto` runs SDPA), for memory plans that must not guess (generate/rows.py)."""
+    return scores * WRITTEN_OUT_BYTES_PER_SCORE if kernel_for("cuda", scores) == "math" else 0
 
 
 class StaticKV:
