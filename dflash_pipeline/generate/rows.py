@@ -64,7 +64,7 @@ def runner_slots(capacity: int) -> int:
     return round_up(capacity, SLOT_ROUND)
 
 
-def step_workspace(config, dtype: torch.dtype, rows: int, slots: int = 0) -> int:
+def step_workspace(config, dtype: torch.dtype, rows: int, slots: int) -> int:
     """Bytes a decode step needs beside the cache at `rows` rows over `slots` slots: the model's logits
     and the runner's fp32 copy, the sampling's temporaries per vocabulary entry at their worst (top-p over
     the whole vocabulary: a sort's values and ids, softmax, cumulative mass, the masked logits, three hash
