@@ -15,6 +15,9 @@ an additive mask over the attended slots, as `StepState` builds it):
   math-f32out  the same with fp32 scores out of the bf16 GEMM itself (`torch.bmm(..., out_dtype=float32)`,
          CUDA): the library's `written_out_attention`, the default kernel on CUDA since the 2026-12-02 run
          (1.3-2.6x SDPA's speed at every shape; the upcast form was 3x slower than SDPA at 128 rows)
+  split  the split-KV Triton kernel (decoding/split_attention.py), one-token steps only: each row's own
+         slots, K/V once per KV head, the slots split over programs when rows x heads do not fill the GPU;
+         the default for one-token steps on CUDA since 2026-12-02 (second run)
   flex   FlexAttention, compiled, the mask as a score_mod (its decoding kernel splits the slots over
          blocks for short queries)
   flex-sparse  the same with a block mask built from each row's length: a row reads only the K/V blocks
@@ -95,6 +98,21 @@ def math_f32out(q, k, v, mask, scale):
     return written_out_attention(q, k, v, mask, scale)
 
 
+def split(q, k, v, mask, scale):
+    """The split-KV Triton kernel (decoding/split_attention.py), what one-token steps run on CUDA by default:
+    one program per (row, KV head, chunk of slots) that stops at the row's own length (read here from the
+    mask's visible slots, outside the timed call: the runner keeps the lengths on the device)."""
+    from dflash_pipeline.decoding.split_attention import split_decode_attention
+
+    n = SPLIT_LENGTHS.get(id(mask))
+    if n is None:
+        raise ValueError("one-token steps only (q = 1)")
+    return split_decode_attention(q, k, v, n, scale)
+
+
+SPLIT_LENGTHS: dict[int, torch.Tensor] = {}   # id(mask) -> visible slots per row, for `split` (q = 1 cases)
+
+
 def make_flex(compile: bool, sparse: bool, block: int = 128):
     """FlexAttention with the mask as a score_mod; `sparse`: also a block mask from each row's length, so that
     a row reads only the K/V blocks that hold its slots (the attended bucket is the longest row's)."""
@@ -136,13 +154,19 @@ def main() -> None:
     cuda = DEVICE == "cuda"  # on the CPU the flex candidates run uncompiled: a check of their masks only
     dtype = torch.bfloat16 if cuda else torch.float32
     variants = {"sdpa": sdpa, "math": math, "math-upcast": math_upcast, "math-f32out": math_f32out,
-                "flex": make_flex(cuda, False), "flex-sparse": make_flex(cuda, True)}
+                "split": split, "flex": make_flex(cuda, False), "flex-sparse": make_flex(cuda, True)}
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "slots": S, "dtype": str(dtype),
            "torch": torch.__version__, "cases": {}}
     print(f"{'case':24} " + " ".join(f"{n + ' us':>10}" for n in variants) + "   max |err| vs fp32 per variant")
     for name, (R, hk, g, q, D) in cases.items():
         q_, k_, v_, mask = inputs(R, hk, g, q, D, S, dtype)
+        visible_R = torch.isfinite(mask[:, 0, 0]).sum(-1)
+        if q == 1:
+            SPLIT_LENGTHS[id(mask)] = visible_R
         scale = D ** -0.5
+        # what a kernel must read: K and V of the visible slots (each row's own), and of the whole bucket
+        slot_bytes = 2 * hk * D * k_.element_size()
+        kv_bytes = {"kv_bytes_visible": int(visible_R.sum()) * slot_bytes, "kv_bytes_bucket": R * S * slot_bytes}
         ref = math(q_.float(), k_.float(), v_.float(), mask.float(), scale)
         row = {}
         for vname, fn in variants.items():
@@ -154,7 +178,7 @@ def main() -> None:
                 row[vname] = {"us": us, "max_abs_err": err}
             except Exception as e:  # a candidate that cannot run a shape says why, the others still run
                 row[vname] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        out["cases"][name] = {"rows": R, "kv_heads": hk, "g": g, "q": q, "head_dim": D, **row}
+        out["cases"][name] = {"rows": R, "kv_heads": hk, "g": g, "q": q, "head_dim": D, **kv_bytes, **row}
         print(f"{name:24} " + " ".join(f"{r['us']:>10.1f}" if "us" in r else f"{'error':>10}" for r in row.values())
               + "   " + " ".join(f"{r.get('max_abs_err', float('nan')):.1e}" for r in row.values()))
         save_json(a.json, out)

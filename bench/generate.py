@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import save_json  # noqa: E402
 
-from dflash_pipeline.decoding.attention import kernel_for  # noqa: E402
+from dflash_pipeline.decoding.attention import kernels_label  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -387,7 +387,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "transformers": __import__("transformers").__version__, "args": vars(args), "targets": {},
-              "decode_attention": kernel_for(DEVICE)}
+              "decode_attention": kernels_label(DEVICE, DTYPE)}
     for name in targets:
         result["targets"][name] = bench_target(name, args, skip)
         _free()

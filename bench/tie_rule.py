@@ -164,7 +164,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    from dflash_pipeline.decoding.attention import kernel_for
+    from dflash_pipeline.decoding.attention import kernels_label
     from dflash_pipeline.decoding.runner import DecodingRunner
 
     if a.smoke:
@@ -209,7 +209,7 @@ def main() -> None:
     every = [x for v in gaps.values() for x in v]
     need = math.ceil(max(every) - 1e-9)
     out = {"target": label, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "dtype": a.dtype, "decode_attention": kernel_for(a.device), "torch": torch.__version__, "prompts": len(prompts),
+           "dtype": a.dtype, "decode_attention": kernels_label(a.device, dtype), "torch": torch.__version__, "prompts": len(prompts),
            "new_tokens": n, "positions": len(margins), "tie_ulps_now": TIE_ULPS,
            "margin_gap_ulp": {k: quantiles(v) for k, v in gaps.items()},
            "tie_ulps_covering_every_gap": need,

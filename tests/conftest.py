@@ -7,6 +7,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "CUDA_VISIBLE_DEVICES" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    # Triton kernels (decoding/split_attention.py) run in Triton's interpreter on a machine without a GPU;
+    # it must be set before triton is first imported (its library's own kernels are decorated then)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -157,6 +157,72 @@ def test_written_out_attention_in_bf16_takes_fp32_scores_from_the_gemm(compile):
     assert err <= 1.5 * max(err_upcast, err_sdpa), (err, err_upcast, err_sdpa)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("R,hk,G,D", [(1, 8, 4, 128), (128, 8, 4, 128), (1, 3, 3, 64), (64, 3, 3, 64)])
+def test_split_decode_kernel_on_the_gpu_is_as_close_as_the_written_out_one(R, hk, G, D, compile):
+    """The split-KV Triton kernel (one-token steps on CUDA) with the real tensor-core dot: Qwen3-8B and
+    SmolLM2 head layouts at batch 1 (many chunks merged) and at generation's rows (one chunk each), K/V
+    read in place from a cache view, rows of different lengths whose slots past their end hold NaN; as
+    close to fp64 as the written-out kernel, and the same under torch.compile (an opaque custom op)."""
+    from dflash_pipeline.decoding import attention, split_attention
+
+    if DEVICE != "cuda" or not split_attention.available():
+        pytest.skip("a CUDA kernel")
+    g = torch.Generator(device="cpu").manual_seed(R + D)
+    S = 1088
+    cache_k = torch.randn(R, hk, 1280, D, generator=g).to(DEVICE, torch.bfloat16)
+    cache_v = torch.randn(R, hk, 1280, D, generator=g).to(DEVICE, torch.bfloat16)
+    key, value = cache_k[:, :, :S], cache_v[:, :, :S]
+    q = (6 * torch.randn(R, hk, G, D, generator=g)).to(DEVICE, torch.bfloat16)   # peaked scores
+    n = torch.linspace(1, S, R).long().to(DEVICE) if R > 1 else torch.tensor([S - 37], device=DEVICE)
+    visible = torch.arange(S, device=DEVICE)[None] < n[:, None]
+    bias = torch.zeros(R, 1, G, S, device=DEVICE, dtype=torch.bfloat16).masked_fill_(~visible[:, None, None], float("-inf"))
+    scale = D ** -0.5
+    ref = split_attention.reference(q, key, value, n, scale)
+    err_written = (attention.written_out_attention(q, key, value, bias, scale).double() - ref).abs().max().item()
+    for r in range(R):
+        cache_k[r, :, int(n[r]):] = float("nan")
+        cache_v[r, :, int(n[r]):] = float("nan")
+    fn = split_attention.split_decode_attention
+    out = (torch.compile(fn, dynamic=False) if compile else fn)(q, key, value, n, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (R, hk, G, D) and torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 * max(err_written, 2 ** -9), (err, err_written)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+def test_graphed_bf16_rows_decode_alike_with_the_split_and_the_written_out_kernels(kind, monkeypatch):
+    """Three rows of different lengths in captured (and compiled) one-token steps, bf16: the split kernel
+    (the default on CUDA) gives the written-out kernel's tokens, logits within bf16 noise; sliding windows
+    (qwen3, gemma3) included."""
+    from dflash_pipeline.decoding import attention, split_attention
+
+    if DEVICE != "cuda" or not split_attention.available():
+        pytest.skip("a CUDA kernel")
+    model = on_device(tiny_causal_lm(kind), torch.bfloat16)
+    prompts = [[5, 17, 3, 44, 9, 12, 80, 1, 33], [3, 9], [4, 9, 27, 4, 50, 6]]
+
+    def run(kernel: str, compile: bool):
+        monkeypatch.setattr(attention, "KERNEL", kernel)
+        runner = DecodingRunner(model, rows=3, max_len=96, compile=compile)
+        first = [int(runner.prefill(r, p)[0][-1].argmax()) for r, p in enumerate(prompts)]
+        io, toks, logits = runner.inputs(1), [first], []
+        for _ in range(30):
+            io.ids_Rq[:, 0] = torch.tensor(toks[-1], device=DEVICE)
+            runner.step(1)
+            logits.append(io.logits_RqV[:, 0].clone())
+            runner.advance(1)
+            toks.append(io.argmax_Rq[:, 0].tolist())
+        runner.close()
+        return toks, torch.stack(logits)
+
+    want, want_logits = run("math", False)
+    for compile in (False, True):
+        got, got_logits = run("auto", compile)
+        assert got == want
+        assert (got_logits - want_logits).abs().max() <= 0.1 * want_logits.abs().max()
+
+
 def test_compiled_graphed_speculative_decoding_equals_generate():
     """The same with the steps' forward and the drafter's elementwise chains through torch.compile."""
     speculative_equals_generate("qwen3", compile=True)

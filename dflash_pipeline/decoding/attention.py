@@ -23,9 +23,12 @@ GQA without repeated K/V: the g query heads of one KV head are folded into the q
 ([R, h, q, D] -> [R, h_kv, g*q, D]), so one SDPA call reads each KV head once, and the folded mask
 is a plain [R, 1, g*q, S] additive bias that the memory-efficient kernel takes.
 
-The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `auto` (default) is `math` on CUDA and
-`sdpa` elsewhere, and `sdpa` for a call whose scores would pass WRITTEN_OUT_MAX_SCORE_BYTES (a multi-row
-prefill); `sdpa` is the memory-efficient SDPA kernel; `math` is the attention written out (Q K^T with
+The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `auto` (default) runs one-token steps in
+bf16/fp16 on CUDA with `split` (decoding/split_attention.py: a Triton split-KV kernel that reads each row's
+own slots only, K/V once per KV head), everything else with `math` on CUDA and `sdpa` elsewhere, and
+`sdpa` for a call whose scores would pass WRITTEN_OUT_MAX_SCORE_BYTES (a multi-row prefill); `split` forces
+the Triton kernel for one-token steps wherever Triton runs (its interpreter on the CPU, for tests) and is
+`auto` otherwise; `sdpa` is the memory-efficient SDPA kernel; `math` is the attention written out (Q K^T with
 the scores in fp32, softmax, P V), two batched GEMMs that cuBLAS spreads over the whole GPU where SDPA's
 grid is one block per (row, KV head) at decoding's few folded queries. On CUDA the scores come out of
 the bf16 GEMM in fp32 (`out_dtype`), so K is never copied; elsewhere Q and K are upcast first.
@@ -42,6 +45,7 @@ g = h / hk, D head dim.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from contextlib import contextmanager
@@ -55,7 +59,7 @@ from dflash_pipeline.train.masks import attend
 STATIC_ATTENTION = "static_kv"  # no "flash" in the name: transformers reads that as a flash kernel
 _ACTIVE = threading.local()
 KERNEL_ENV = "DFLASH_DECODE_ATTENTION"
-KERNELS = ("auto", "sdpa", "math")
+KERNELS = ("auto", "sdpa", "math", "split")
 
 
 def kernel_from_env() -> str:
@@ -78,14 +82,36 @@ WRITTEN_OUT_BYTES_PER_SCORE = 12  # its peak per score: fp32 scores, fp32 softma
 
 
 def kernel_for(device: torch.device | str, scores: int = 0) -> str:
-    """The kernel a call with `scores` = R * h * q * S attention scores uses on `device` (`auto` resolved):
-    what `folded_attention` runs, and what benchmarks and reports name."""
-    if KERNEL != "auto":
+    """The kernel a call with `scores` = R * h * q * S attention scores uses on `device` (`auto` resolved)
+    where the split kernel does not run: what `folded_attention` runs."""
+    if KERNEL not in ("auto", "split"):
         return KERNEL
     small = scores * 4 <= WRITTEN_OUT_MAX_SCORE_BYTES
     # without the fp32-out GEMM (older torch) the written-out form upcasts K per call: slower than SDPA at
     # generation's batches, so `auto` keeps SDPA there
     return "math" if torch.device(device).type == "cuda" and small and _BMM_FP32_OUT else "sdpa"
+
+
+@functools.lru_cache(maxsize=None)
+def _split_available() -> bool:
+    from dflash_pipeline.decoding import split_attention
+
+    return split_attention.available()
+
+
+def split_for(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether one-token steps (q = 1) of a `dtype` cache on `device` run the split kernel (without soft-capping)."""
+    if KERNEL not in ("auto", "split") or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if KERNEL == "auto" and torch.device(device).type != "cuda":
+        return False
+    return _split_available()
+
+
+def kernels_label(device: torch.device | str, dtype: torch.dtype) -> str:
+    """What reports name: the decode step's kernel, then the other steps' ('split/math'), or one name."""
+    other = kernel_for(device)
+    return f"split/{other}" if split_for(device, dtype) else other
 
 
 def written_out_workspace(scores: int) -> int:
@@ -182,19 +208,28 @@ class StepState:
 
     def __init__(self, kv: StaticKV, rows: slice, lengths_R: torch.Tensor, offsets_Rq: torch.Tensor,
                  block_mask_Rqq: torch.Tensor, slot_pos_RS: torch.Tensor, slots: int, *, groups: int,
-                 windows: Iterable[int | None] = (None,), capture=None):
+                 windows: Iterable[int | None] = (None,), capture=None, split: bool = False):
         R, q = offsets_Rq.shape
         self.kv, self.rows, self.slots, self.groups, self.capture = kv, rows, slots, groups, capture
+        self.block_mask_Rqq, self.lengths_R = block_mask_Rqq, lengths_R
         write_Rq = lengths_R[:, None] + torch.arange(q, device=lengths_R.device)
         self.pos_Rq = lengths_R[:, None] + offsets_Rq
         slot_pos_RS.scatter_(1, write_Rq, self.pos_Rq)
         self.slot_pos_RS = slot_pos_RS[:, :slots]
-        self.visible_RqS = target_visible(lengths_R, block_mask_Rqq, slots)
         self.index_RkqD = write_Rq[:, None, :, None].expand(R, kv.kv_heads, q, kv.head_dim)
-        self.masks = {w: self._mask(w) for w in set(windows)}
+        # split: a one-token step whose layers run the split kernel (the caller knows the model has no
+        # soft-capping), which reads the rows' lengths instead of a mask: the query sees its committed
+        # slots and its own (a one-token block always sees itself), so no mask is built
+        self.split = split and q == 1 and split_for(lengths_R.device, kv.dtype)
+        self.n_vis_R = lengths_R + 1 if self.split else None
+        self.masks: dict[int | None, torch.Tensor] = {}
+        if not self.split:
+            vis = target_visible(lengths_R, block_mask_Rqq, slots)
+            self.masks = {w: self._mask(w, vis) for w in set(windows)}
 
-    def _mask(self, window: int | None) -> torch.Tensor:
-        vis = self.visible_RqS
+    def _mask(self, window: int | None, vis: torch.Tensor | None = None) -> torch.Tensor:
+        if vis is None:
+            vis = target_visible(self.lengths_R, self.block_mask_Rqq, self.slots)
         if window is not None:
             vis = vis & (self.pos_Rq[:, :, None] - self.slot_pos_RS[:, None, :] < window)
         return fold_mask(vis, self.groups, self.kv.dtype)
@@ -235,8 +270,16 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     if state is None:
         raise RuntimeError(f"attention '{STATIC_ATTENTION}' runs only inside a DecodingRunner step")
     k_all, v_all = state.write(module.layer_idx, key, value)
-    bias = state.mask(sliding_window).to(query.dtype)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if state.split and not softcap:
+        from dflash_pipeline.decoding.split_attention import split_decode_attention
+
+        R, h, _, D = query.shape
+        out = split_decode_attention(query.reshape(R, state.kv.kv_heads, h // state.kv.kv_heads, D), k_all, v_all,
+                                     state.n_vis_R, scale, window=sliding_window, q_pos_R=state.pos_Rq[:, 0],
+                                     slot_pos_RS=state.slot_pos_RS)
+        return out.view(R, h, 1, D).transpose(1, 2), None
+    bias = state.mask(sliding_window).to(query.dtype)
     return folded_attention(query, k_all, v_all, bias, scale, softcap), None
 
 
@@ -247,6 +290,6 @@ def register() -> None:
     AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 
-__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "kernel_for", "written_out_workspace", "StaticKV", "StepState", "active",
+__all__ = ["STATIC_ATTENTION", "KERNEL_ENV", "kernel_for", "split_for", "kernels_label", "written_out_workspace", "StaticKV", "StepState", "active",
            "active_state", "target_visible", "fold_mask", "folded_attention", "written_out_attention",
            "static_attention", "register"]

@@ -11,7 +11,8 @@ prompts; tree decoding verifies a tree of q nodes per row. All three are the sam
   static outputs. On CUDA it is one graph launch after the first call of each shape. A step writes the
   rows' K/V at slots [len, len + q) but commits nothing. It attends to the first 256, 512, 1024, ...
   slots (a graph per q and bucket), the smallest bucket that holds the longest row, so short rows do
-  not pay for reading the whole cache;
+  not pay for reading the whole cache (one-token steps on CUDA read only each row's own slots within
+  the bucket: decoding/split_attention.py);
 - `set_length(row, n)` / `set_lengths([n, ...])` / `advance(n)`: commit or roll back, O(1): the row's
   committed slots are [0, n); whatever lies beyond is invisible to later steps and overwritten by them;
 - `compact(row, src, dst)`: copy the accepted slots of a tree path to contiguous slots before commit.
@@ -120,6 +121,8 @@ class DecodingRunner:
         self.windows = {None, getattr(cfg, "sliding_window", None),
                         *(getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers)}
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # one-token steps may run the split decode kernel (decoding/split_attention.py), which has no soft-capping
+        self._split = not getattr(cfg, "attn_logit_softcapping", None)
         self._prev_attn = model.config._attn_implementation
         model.set_attn_implementation(STATIC_ATTENTION)
         # compile: in the steps (not the prefill, whose shapes vary), each decoder layer runs through
@@ -312,7 +315,7 @@ class DecodingRunner:
         def fn() -> None:
             state = StepState(self.kv, slice(None), self.lengths_R, io.offsets_Rq, io.block_mask_Rqq,
                               self.slot_pos_RS, slots, groups=self.groups, windows=self.windows,
-                              capture=capture if self.layer_ids else None)
+                              capture=capture if self.layer_ids else None, split=self._split)
             with active(state), self._compiled_layers():
                 io.logits_RqV.copy_(self._logits(io.ids_Rq, state.pos_Rq))
             torch.argmax(io.logits_RqV, dim=-1, out=io.argmax_Rq)

@@ -1,0 +1,143 @@
+"""The split-KV decode kernel (decoding/split_attention.py) in Triton's interpreter, on the CPU.
+
+Against an fp64 reference: every split plan (one chunk per row, many chunks merged), rows of different
+lengths (one slot to the whole bucket), slots past a row's length never read (they hold NaN here),
+sliding windows, K/V read in place from a cache view, bf16 and fp16, head dims that are not powers of
+two. Then inside the runner: greedy decoding with the split kernel equals the written-out kernel's in
+bf16 (GQA, sliding-window layers, Gemma 3's query scaling), soft-capped models keep the written-out
+kernel, and rows of different lengths in one step each see their own slots. The tensor-core dot itself
+runs only on a GPU (tests/test_decoding_cuda.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.decoding import attention, split_attention
+from dflash_pipeline.decoding.runner import DecodingRunner
+from decoding_helpers import tiny_causal_lm as tiny
+
+pytestmark = pytest.mark.skipif(not split_attention.available(), reason="triton is not installed")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's interpreter on the CPU. Triton 3.6's interpreter turns its scalars (1-element arrays) into
+    loop bounds with int(), which numpy >= 2.4 refuses: patched here to take the element."""
+    from triton.runtime import interpreter as interp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+def cache_view(R, hk, S, D, dtype, gen, spare=64):
+    """K or V as the runner passes them: the first S slots of a longer buffer (strided), NaN beyond."""
+    buf = torch.randn(R, hk, S + spare, D, generator=gen).to(dtype)
+    return buf[:, :, :S]
+
+
+@pytest.mark.parametrize("R,hk,G,D,S,dtype", [
+    (3, 2, 4, 64, 200, torch.bfloat16),    # Qwen3's group of 4; rows split over chunks
+    (1, 3, 3, 64, 512, torch.bfloat16),    # SmolLM2's heads at batch 1: many chunks merged
+    (40, 2, 4, 128, 130, torch.bfloat16),  # rows x heads fill the (8-SM) grid: one chunk per row, no merge
+    (2, 1, 5, 80, 130, torch.float16),     # a head dim that is not a power of two, fp16
+])
+def test_split_kernel_equals_the_reference_and_reads_only_each_rows_slots(interpreter, R, hk, G, D, S, dtype):
+    gen = torch.Generator().manual_seed(R * 1000 + S)
+    q = torch.randn(R, hk, G, D, generator=gen).to(dtype)
+    k, v = cache_view(R, hk, S, D, dtype, gen), cache_view(R, hk, S, D, dtype, gen)
+    n = torch.randint(1, S + 1, (R,), generator=gen)
+    n[0], n[-1] = S, 1                                  # the whole bucket, and only the query's own slot
+    for r in range(R):                                  # what lies past a row's slots must never be read
+        k[r, :, n[r]:] = float("nan")
+        v[r, :, n[r]:] = float("nan")
+    scale = D ** -0.5
+    out = split_attention.split_decode_attention(q, k, v, n, scale)
+    assert out.shape == (R, hk, G, D) and out.dtype == dtype
+    ref = split_attention.reference(q, k.nan_to_num(), v.nan_to_num(), n, scale)
+    eps = torch.finfo(dtype).eps
+    assert torch.isfinite(out).all()
+    # the output rounded once to the dtype, plus the probabilities' rounding: well under 2 ulp of |V|'s max
+    assert (out.double() - ref).abs().max() <= 2 * eps * v.nan_to_num().abs().max()
+    assert torch.equal(out[-1].float(), v[-1, :, :1].float().expand(hk, G, D))   # one visible slot: V itself
+    splits, chunk = split_attention.plan_splits(R * hk, S, 8)
+    assert splits * chunk >= S and chunk % split_attention.BLOCK_N == 0
+
+
+def test_split_kernel_applies_sliding_windows_by_position(interpreter):
+    R, hk, G, D, S = 3, 2, 4, 64, 300
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(R, hk, G, D, generator=gen).bfloat16()
+    k, v = cache_view(R, hk, S, D, torch.bfloat16, gen), cache_view(R, hk, S, D, torch.bfloat16, gen)
+    n = torch.tensor([300, 45, 7])
+    slot_pos = torch.arange(S + 64)[None].repeat(R, 1) + torch.tensor([[0], [10], [3]])   # positions != slots
+    q_pos = slot_pos.gather(1, (n - 1)[:, None])[:, 0]
+    out = split_attention.split_decode_attention(q, k, v, n, 0.125, window=37, q_pos_R=q_pos, slot_pos_RS=slot_pos)
+    ref = split_attention.reference(q, k, v, n, 0.125, 37, q_pos, slot_pos)
+    assert (out.double() - ref).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * v.abs().max()
+    full = split_attention.reference(q, k, v, n, 0.125)
+    assert (full - ref).abs().max() > 0.05   # the window changed the first row's answer: it was applied
+
+
+def greedy(model, prompt, n, rows=1):
+    """The runner's greedy decoding of `prompt` in row 0 (other rows hold other prompts: the step's rows
+    have different lengths); the step logits of every step."""
+    runner = DecodingRunner(model, rows=rows, max_len=96, prefill_chunk=8)
+    others = [[3 + r, 9, 27, 4][: 1 + r] for r in range(1, rows)]
+    for r, p in enumerate(others, start=1):
+        runner.prefill(r, p)
+    logits, _ = runner.prefill(0, prompt)
+    out, steps = [int(logits[-1].argmax())], []
+    io = runner.inputs(1)
+    for _ in range(n - 1):
+        io.ids_Rq[0, 0] = out[-1]
+        io.ids_Rq[1:, 0] = 7
+        runner.step(1)
+        steps.append(io.logits_RqV[:, 0].clone())
+        runner.advance(1)
+        out.append(int(io.argmax_Rq[0, 0]))
+    runner.close()
+    return out, torch.stack(steps)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "gemma2"])
+def test_runner_decodes_with_the_split_kernel_as_with_the_written_out_one(interpreter, monkeypatch, kind):
+    """bf16, 3 rows of different lengths: the same tokens, logits within bf16 noise; past every sliding
+    window (qwen3: 5, gemma3: 4). Gemma 2 (soft-capping) keeps the written-out kernel: equal bits."""
+    model = tiny(kind).to(torch.bfloat16)
+    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
+    monkeypatch.setattr(split_attention, "PROGRAMS_PER_SM", 1)   # 2 chunks per row, merged: fewer interpreted programs
+    monkeypatch.setattr(attention, "KERNEL", "math")
+    want, want_logits = greedy(model, prompt, 10, rows=3)
+    monkeypatch.setattr(attention, "KERNEL", "split")
+    calls = []
+    real = split_attention._run
+    monkeypatch.setattr(split_attention, "_run", lambda *a: calls.append(1) or real(*a))
+    got, got_logits = greedy(model, prompt, 10, rows=3)
+    assert got == want
+    if kind == "gemma2":
+        assert not calls and torch.equal(got_logits, want_logits)
+    else:
+        assert len(calls) == 9 * model.config.num_hidden_layers   # every layer of every one-token step
+        assert (got_logits - want_logits).abs().max() <= 0.1 * want_logits.abs().max()
+
+
+def test_split_dispatch(monkeypatch):
+    monkeypatch.setattr(attention, "KERNEL", "auto")
+    assert not attention.split_for("cpu", torch.bfloat16)                      # auto: CUDA only
+    assert attention.split_for("cuda", torch.bfloat16) == split_attention.available()
+    assert not attention.split_for("cuda", torch.float32)                      # fp32 keeps the exact kernel
+    assert attention.kernels_label("cpu", torch.bfloat16) == "sdpa"
+    assert attention.kernels_label("cuda", torch.bfloat16) in ("split/math", "math", "sdpa")
+    monkeypatch.setattr(attention, "KERNEL", "split")
+    assert attention.split_for("cpu", torch.float16) and attention.kernel_for("cuda") == "math"
+    monkeypatch.setattr(attention, "KERNEL", "math")
+    assert not attention.split_for("cuda", torch.bfloat16)
