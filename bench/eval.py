@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import save_json  # noqa: E402
 
-from dflash_pipeline.decoding.attention import kernels_label  # noqa: E402
+from dflash_pipeline.decoding.attention import kernel_for  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -324,7 +324,7 @@ def main() -> None:
     iters = 10 if args.smoke else 50
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
            "dtype": str(DTYPE).removeprefix("torch."), "smoke": args.smoke,
-           "decode_attention": kernels_label(DEVICE, DTYPE)}
+           "decode_attention": kernel_for(DEVICE)}
 
     def done(part: str, result: dict) -> None:
         """Keep a finished part: into the JSON and the log at once, so a time limit loses only the rest."""

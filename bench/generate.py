@@ -387,7 +387,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "transformers": __import__("transformers").__version__, "args": vars(args), "targets": {},
-              "decode_attention": kernels_label(DEVICE, DTYPE)}
+              "decode_attention": kernels_label(DEVICE, DTYPE, split_decode=True)}
     for name in targets:
         result["targets"][name] = bench_target(name, args, skip)
         _free()

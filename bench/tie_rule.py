@@ -17,7 +17,7 @@ it, an ancestor mask, positions by depth, the path compacted afterwards, as tree
 at max(|l[a]|, |l[b]|): quantiles and max, and the smallest TIE_ULPS that covers every position seen.
 Also how many positions have a margin under N ulp (the rule's blind spot at N).
 
-    python bench/tie_rule.py [--target MODEL] [--dtype bf16] [--prompts N] [--new-tokens N] [--json OUT]
+    python bench/tie_rule.py [--target MODEL] [--dtype bf16] [--prompts N] [--new-tokens N] [--split-decode] [--json OUT]
     python bench/tie_rule.py --smoke      # tiny random model, CPU: checks the script
 """
 
@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--split-decode", action="store_true", help="one-token steps on the split decode kernel, as "
+                    "`dflash generate` runs them (speculative decoding does not: this measures why)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
@@ -193,7 +195,7 @@ def main() -> None:
     t0 = time.time()
     max_len = max(len(p) for p in prompts) + n + 80
     decoded = []
-    with DecodingRunner(model, max_len=max_len) as runner:  # the model attends over the runner's cache here
+    with DecodingRunner(model, max_len=max_len, split_decode=a.split_decode) as runner:  # the model attends over the runner's cache here
         for i, prompt in enumerate(prompts):
             tokens, top_ids, top_vals = greedy_reference(runner, prompt, n)
             decoded.append((prompt, tokens, top_ids, top_vals))
@@ -209,7 +211,7 @@ def main() -> None:
     every = [x for v in gaps.values() for x in v]
     need = math.ceil(max(every) - 1e-9)
     out = {"target": label, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "dtype": a.dtype, "decode_attention": kernels_label(a.device, dtype), "torch": torch.__version__, "prompts": len(prompts),
+           "dtype": a.dtype, "decode_attention": kernels_label(a.device, dtype, a.split_decode), "torch": torch.__version__, "prompts": len(prompts),
            "new_tokens": n, "positions": len(margins), "tie_ulps_now": TIE_ULPS,
            "margin_gap_ulp": {k: quantiles(v) for k, v in gaps.items()},
            "tie_ulps_covering_every_gap": need,

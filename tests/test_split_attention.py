@@ -3,10 +3,11 @@
 Against an fp64 reference: every split plan (one chunk per row, many chunks merged), rows of different
 lengths (one slot to the whole bucket), slots past a row's length never read (they hold NaN here),
 sliding windows, K/V read in place from a cache view, bf16 and fp16, head dims that are not powers of
-two. Then inside the runner: greedy decoding with the split kernel equals the written-out kernel's in
-bf16 (GQA, sliding-window layers, Gemma 3's query scaling), soft-capped models keep the written-out
-kernel, and rows of different lengths in one step each see their own slots. The tensor-core dot itself
-runs only on a GPU (tests/test_decoding_cuda.py).
+two. Then inside the runner (`split_decode`, as `dflash generate` runs it), rows of different lengths in
+one step, bf16: the split kernel's logits equal the written-out kernel's within bf16 noise and pick the
+same tokens wherever the margin is clear of it (GQA, sliding-window layers, Gemma 3's query scaling);
+soft-capped models, and runners that did not ask for it, keep the written-out kernel. The tensor-core
+dot itself runs only on a GPU (tests/test_decoding_cuda.py).
 """
 
 from __future__ import annotations
@@ -87,47 +88,60 @@ def test_split_kernel_applies_sliding_windows_by_position(interpreter):
     assert (full - ref).abs().max() > 0.05   # the window changed the first row's answer: it was applied
 
 
-def greedy(model, prompt, n, rows=1):
-    """The runner's greedy decoding of `prompt` in row 0 (other rows hold other prompts: the step's rows
-    have different lengths); the step logits of every step."""
-    runner = DecodingRunner(model, rows=rows, max_len=96, prefill_chunk=8)
-    others = [[3 + r, 9, 27, 4][: 1 + r] for r in range(1, rows)]
-    for r, p in enumerate(others, start=1):
-        runner.prefill(r, p)
-    logits, _ = runner.prefill(0, prompt)
-    out, steps = [int(logits[-1].argmax())], []
-    io = runner.inputs(1)
-    for _ in range(n - 1):
-        io.ids_Rq[0, 0] = out[-1]
-        io.ids_Rq[1:, 0] = 7
+def decode_rows(model, prompts, n, *, split_decode, forced=None, compile=False):
+    """Rows of different lengths decoding together on the runner, one token per step: the step logits
+    [n, R, V] and the tokens fed (each row's greedy choice, or `forced` [n, R]: the same inputs for both
+    kernels, so that one near-tie cannot send the runs apart)."""
+    runner = DecodingRunner(model, rows=len(prompts), max_len=96, prefill_chunk=8, split_decode=split_decode,
+                            compile=compile)
+    toks = [[int(runner.prefill(r, p)[0][-1].argmax()) for r, p in enumerate(prompts)]]
+    io, logits = runner.inputs(1), []
+    for i in range(n):
+        feed = forced[i] if forced is not None else toks[-1]
+        io.ids_Rq[:, 0] = torch.tensor(feed, device=io.ids_Rq.device)
         runner.step(1)
-        steps.append(io.logits_RqV[:, 0].clone())
+        logits.append(io.logits_RqV[:, 0].float().cpu().clone())
         runner.advance(1)
-        out.append(int(io.argmax_Rq[0, 0]))
+        toks.append(io.argmax_Rq[:, 0].tolist())
     runner.close()
-    return out, torch.stack(steps)
+    return toks, torch.stack(logits)
+
+
+def assert_same_decoding(want, got):
+    """Logits within bf16 noise of each other, and the same greedy token wherever the reference's top-2
+    margin is clear of that noise."""
+    diff = (got - want).abs().max()
+    assert diff <= 0.05 * want.abs().max(), diff
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert clear.float().mean() > 0.8                          # the comparison is not vacuous
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+PROMPTS = [[5, 17, 3, 44, 9, 12, 80, 1, 33], [3, 9], [4, 9, 27, 4, 50, 6]]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "gemma2"])
 def test_runner_decodes_with_the_split_kernel_as_with_the_written_out_one(interpreter, monkeypatch, kind):
-    """bf16, 3 rows of different lengths: the same tokens, logits within bf16 noise; past every sliding
-    window (qwen3: 5, gemma3: 4). Gemma 2 (soft-capping) keeps the written-out kernel: equal bits."""
+    """bf16, 3 rows of different lengths, past every sliding window (qwen3: 5, gemma3: 4): the split
+    kernel (the runner's `split_decode`) gives the written-out kernel's logits within bf16 noise. Gemma 2
+    (soft-capping) keeps the written-out kernel, and so does a runner that did not ask for the split one."""
     model = tiny(kind).to(torch.bfloat16)
-    prompt = [5, 17, 3, 44, 9, 12, 80, 1, 33]
     monkeypatch.setattr(split_attention, "PROGRAMS_PER_SM", 1)   # 2 chunks per row, merged: fewer interpreted programs
     monkeypatch.setattr(attention, "KERNEL", "math")
-    want, want_logits = greedy(model, prompt, 10, rows=3)
+    want_toks, want = decode_rows(model, PROMPTS, 9, split_decode=True)
     monkeypatch.setattr(attention, "KERNEL", "split")
     calls = []
     real = split_attention._run
     monkeypatch.setattr(split_attention, "_run", lambda *a: calls.append(1) or real(*a))
-    got, got_logits = greedy(model, prompt, 10, rows=3)
-    assert got == want
+    decode_rows(model, PROMPTS, 2, split_decode=False, forced=want_toks[:2])
+    assert not calls                                             # not asked for: never the split kernel
+    _, got = decode_rows(model, PROMPTS, 9, split_decode=True, forced=want_toks)
     if kind == "gemma2":
-        assert not calls and torch.equal(got_logits, want_logits)
+        assert not calls and torch.equal(got, want)
     else:
         assert len(calls) == 9 * model.config.num_hidden_layers   # every layer of every one-token step
-        assert (got_logits - want_logits).abs().max() <= 0.1 * want_logits.abs().max()
+        assert_same_decoding(want, got)
 
 
 def test_split_dispatch(monkeypatch):
@@ -135,8 +149,9 @@ def test_split_dispatch(monkeypatch):
     assert not attention.split_for("cpu", torch.bfloat16)                      # auto: CUDA only
     assert attention.split_for("cuda", torch.bfloat16) == split_attention.available()
     assert not attention.split_for("cuda", torch.float32)                      # fp32 keeps the exact kernel
-    assert attention.kernels_label("cpu", torch.bfloat16) == "sdpa"
-    assert attention.kernels_label("cuda", torch.bfloat16) in ("split/math", "math", "sdpa")
+    assert attention.kernels_label("cpu", torch.bfloat16, True) == "sdpa"
+    assert attention.kernels_label("cuda", torch.bfloat16, True) in ("split/math", "split/sdpa")
+    assert attention.kernels_label("cuda", torch.bfloat16, False) in ("math", "sdpa")
     monkeypatch.setattr(attention, "KERNEL", "split")
     assert attention.split_for("cpu", torch.float16) and attention.kernel_for("cuda") == "math"
     monkeypatch.setattr(attention, "KERNEL", "math")

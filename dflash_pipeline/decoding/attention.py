@@ -24,8 +24,9 @@ GQA without repeated K/V: the g query heads of one KV head are folded into the q
 is a plain [R, 1, g*q, S] additive bias that the memory-efficient kernel takes.
 
 The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `auto` (default) runs one-token steps in
-bf16/fp16 on CUDA with `split` (decoding/split_attention.py: a Triton split-KV kernel that reads each row's
-own slots only, K/V once per KV head), everything else with `math` on CUDA and `sdpa` elsewhere, and
+bf16/fp16 on CUDA with `split` where the runner asks for it (`split_decode`: `dflash generate`;
+decoding/split_attention.py: a Triton split-KV kernel that reads each row's own slots only, K/V once per
+KV head), everything else with `math` on CUDA and `sdpa` elsewhere, and
 `sdpa` for a call whose scores would pass WRITTEN_OUT_MAX_SCORE_BYTES (a multi-row prefill); `split` forces
 the Triton kernel for one-token steps wherever Triton runs (its interpreter on the CPU, for tests) and is
 `auto` otherwise; `sdpa` is the memory-efficient SDPA kernel; `math` is the attention written out (Q K^T with
@@ -108,10 +109,11 @@ def split_for(device: torch.device | str, dtype: torch.dtype) -> bool:
     return _split_available()
 
 
-def kernels_label(device: torch.device | str, dtype: torch.dtype) -> str:
-    """What reports name: the decode step's kernel, then the other steps' ('split/math'), or one name."""
+def kernels_label(device: torch.device | str, dtype: torch.dtype, split_decode: bool) -> str:
+    """What reports name: the one-token steps' kernel, then the other steps' ('split/math'), or one name
+    (`split_decode`: the runner's option)."""
     other = kernel_for(device)
-    return f"split/{other}" if split_for(device, dtype) else other
+    return f"split/{other}" if split_decode and split_for(device, dtype) else other
 
 
 def written_out_workspace(scores: int) -> int:

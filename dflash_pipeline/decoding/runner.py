@@ -11,8 +11,8 @@ prompts; tree decoding verifies a tree of q nodes per row. All three are the sam
   static outputs. On CUDA it is one graph launch after the first call of each shape. A step writes the
   rows' K/V at slots [len, len + q) but commits nothing. It attends to the first 256, 512, 1024, ...
   slots (a graph per q and bucket), the smallest bucket that holds the longest row, so short rows do
-  not pay for reading the whole cache (one-token steps on CUDA read only each row's own slots within
-  the bucket: decoding/split_attention.py);
+  not pay for reading the whole cache (with `split_decode`, one-token steps on CUDA read only each
+  row's own slots within the bucket: decoding/split_attention.py);
 - `set_length(row, n)` / `set_lengths([n, ...])` / `advance(n)`: commit or roll back, O(1): the row's
   committed slots are [0, n); whatever lies beyond is invisible to later steps and overwritten by them;
 - `compact(row, src, dst)`: copy the accepted slots of a tree path to contiguous slots before commit.
@@ -95,7 +95,8 @@ class DecodingRunner:
     """See the module docstring. `max_len`: slots per row, new block included."""
 
     def __init__(self, model, *, rows: int = 1, max_len: int, layer_ids: Sequence[int] = (),
-                 graphs: bool | None = None, prefill_chunk: int = 512, compile: bool = False):
+                 graphs: bool | None = None, prefill_chunk: int = 512, compile: bool = False,
+                 split_decode: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"static-cache runner: {reason}")
@@ -121,8 +122,12 @@ class DecodingRunner:
         self.windows = {None, getattr(cfg, "sliding_window", None),
                         *(getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers)}
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # one-token steps may run the split decode kernel (decoding/split_attention.py), which has no soft-capping
-        self._split = not getattr(cfg, "attn_logit_softcapping", None)
+        # split_decode: one-token steps run the split decode kernel where it applies (decoding/attention.py;
+        # it has no soft-capping). `dflash generate` asks for it. Speculative decoding does not: its lossless
+        # check compares decode steps with verify steps, whose top-2 margins stay within 8 bf16 ulp of each
+        # other when both run the written-out kernel and moved by up to 21 with the split kernel deciding
+        # (real SmolLM2 on an H200, bench/tie_rule.py, BENCHMARKS.md)
+        self._split = split_decode and not getattr(cfg, "attn_logit_softcapping", None)
         self._prev_attn = model.config._attn_implementation
         model.set_attn_implementation(STATIC_ATTENTION)
         # compile: in the steps (not the prefill, whose shapes vary), each decoder layer runs through

@@ -186,7 +186,10 @@ class RunnerRows:
         from dflash_pipeline.decoding.runner import DecodingRunner
         from dflash_pipeline.eval.models import Target
 
-        self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK)
+        # split_decode: a row reads only its own K/V, not the bucket its longest neighbour sets (generation has
+        # no verify step whose kernel the decode step must match; decoding/runner.py)
+        self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK,
+                                     split_decode=True)
         self.num_rows, self.capacity, self.device = num_rows, capacity, self.runner.device
         self.io = self.runner.inputs(1)
         if self.runner.graphs:
