@@ -12,6 +12,8 @@ For each, at the same number of sequences in flight B (smollm 64, qwen3-8b 128 b
             finished rows refilled): 2B requests over B rows, each exactly --new-tokens tokens; tok/s
             over the whole run (prefills included), the run's time per step (prefills, sampling and
             the host's bookkeeping included) and the graphed decode step alone
+  compiled  ours again with `dflash generate --compile` (the step's decoder layers through torch.compile
+            before capture): its tok/s, step and fraction of the bound; the time to build it
   bound     the memory-bandwidth bound of one decode step: bytes of weights read (every parameter but
             an untied input embedding, of which only B rows are read) plus the KV cache read (mean
             context per row x rows x KV bytes per token), over --bandwidth (4.8 TB/s for an H200);
@@ -26,7 +28,7 @@ Goals (issue): ours >= 3x hf tok/s at the same B; qwen3-8b at 128 sequences >= 4
 
     python bench/assets.py    # here, once: .bench_assets/tokenizer (carry it to the GPU machine)
     python bench/generate.py --tokenizer .bench_assets/tokenizer --work /tmp/bench [--targets smollm,qwen3-8b] \
-        [--skip hf,cb,memory,pipeline] [--cb-targets smollm] [--json OUT.json]
+        [--skip hf,cb,compiled,memory,pipeline] [--cb-targets smollm] [--json OUT.json]
     python bench/generate.py --smoke --tokenizer .bench_assets/tokenizer   # tiny shapes on the CPU
 """
 
@@ -204,11 +206,13 @@ class _FixedRequests:
         return not self.todo
 
 
-def run_ours(model, prompts: list[list[int]], new_tokens: int, rows: int, capacity: int) -> dict:
+def run_ours(model, prompts: list[list[int]], new_tokens: int, rows: int, capacity: int, compile: bool = False) -> dict:
     from dflash_pipeline.generate.engine import Engine
     from dflash_pipeline.generate.rows import make_rows
 
-    runner = make_rows(model, rows, capacity, torch.device(DEVICE))
+    t_build = time.perf_counter()
+    runner = make_rows(model, rows, capacity, torch.device(DEVICE), compile=compile)
+    build_s = time.perf_counter() - t_build   # graphs captured (and layers compiled) before the first prompt
     Engine(runner, stop_ids=[]).run(_FixedRequests(prompts[:rows], 4))  # warm-up: kernels built at first use
     engine = Engine(runner, stop_ids=[])
     _sync()
@@ -231,7 +235,8 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, rows: int, capaci
     runner.close()   # the model gets its own attention back, for the baselines after this
     del runner, engine
     _free()
-    return {"rows": rows, "requests": len(prompts), "new_tokens": new_tokens, "seconds": seconds,
+    return {"rows": rows, "compile": compile, "build_seconds": build_s, "requests": len(prompts),
+            "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_second": stats.tokens / seconds, "engine": engine_stats,
             "run_step_ms": 1000 * seconds / max(stats.steps, 1), "run_mean_context": engine_stats["mean_context"],
             "step_ms": 1000 * step_s, "step_mean_context": mean_prompt + steps / 2}
@@ -256,7 +261,7 @@ def run_memory(model, capacity: int) -> dict:
     out: dict = {"capacity": capacity, "weights_bytes": base,
                  "total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0}
     try:
-        runner = open_rows(model, SimpleNamespace(max_length=capacity, batch_tokens=None), torch.device(DEVICE),
+        runner = open_rows(model, SimpleNamespace(max_length=capacity, batch_tokens=None, compile=False), torch.device(DEVICE),
                            LiveLine(enabled=True), conversations=1 << 20)
         R = runner.num_rows
         g = torch.Generator().manual_seed(0)
@@ -326,6 +331,11 @@ def bench_target(name: str, args, skip: set[str]) -> dict:
                   "run_fraction_of_bound": 1000 * run_need["total"] / args.bandwidth / ours["run_step_ms"]}
     if "hf" in r:
         r["ours_over_hf"] = ours["tokens_per_second"] / r["hf"]["tokens_per_second"]
+    if "compiled" not in skip and not args.smoke:
+        r["ours_compiled"] = comp = run_ours(model, prompts, args.new_tokens, B, capacity, compile=True)
+        _free()
+        r["bound"]["compiled_fraction_of_bound"] = bound_ms / comp["step_ms"]
+        r["bound"]["compiled_run_fraction_of_bound"] = 1000 * run_need["total"] / args.bandwidth / comp["run_step_ms"]
     if "cb" not in skip and name in args.cb_targets.split(","):
         r["cb"] = run_cb(model, prompts, args.new_tokens, B)
         if "tokens_per_second" in r["cb"]:
@@ -353,6 +363,10 @@ def print_table(result: dict) -> None:
               f"{r.get('ours_over_hf', nan):>6.2f} {r['ours']['step_ms']:>8.2f} "
               f"{b['bound_step_ms']:>9.2f} {b['fraction_of_bound']:>9.0%} {b['run_fraction_of_bound']:>13.0%} "
               f"{r.get('pipeline', {}).get('tokens_per_second', nan):>15.0f}")
+        if "ours_compiled" in r:
+            c = r["ours_compiled"]
+            print(f"  compiled: {c['tokens_per_second']:.0f} tok/s, step {c['step_ms']:.2f} ms, "
+                  f"{b['compiled_fraction_of_bound']:.0%} of the bound (built in {c['build_seconds']:.0f} s)")
         if "error" in cb:
             print(f"  cb: {cb['error']}")
         if "memory" in r:
@@ -372,7 +386,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--hf-new-tokens", type=int, default=None, help="default: --new-tokens")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the GPU's memory (H200: 4.8e12)")
-    ap.add_argument("--skip", default="", help="comma list of parts to leave out: hf, cb, memory, pipeline")
+    ap.add_argument("--skip", default="", help="comma list of parts to leave out: hf, cb, compiled, memory, pipeline")
     ap.add_argument("--cb-targets", default="smollm,smoke", help="targets whose continuous-batching baseline runs: it "
                     "launches every kernel from Python (0.78K tok/s on the SmolLM2 shape, below generate()), so on the "
                     "8B shape at 128 sequences it would take minutes of the call for a number already known to lose")

@@ -185,6 +185,7 @@ def generate(
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="KV-cache tokens per GPU (sequences in flight x --max-length); default: what fits in memory."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32."),
     device: str = typer.Option("auto", "--device", help="auto, cuda or cpu."),
+    compile_steps: bool = typer.Option(False, "--compile", help="torch.compile the decode step's layers before its graphs are captured (fused elementwise kernels; compiles for a minute or more first)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress output."),
 ):
     """Regenerate the assistant turns of conversations with the target (crash-safe; re-run to resume)."""
@@ -194,7 +195,7 @@ def generate(
                   max_new_tokens=max_new_tokens, max_length=max_length, temperature=temperature, top_p=top_p,
                   top_k=top_k, seed=seed, turns=turns, chat_template_kwargs=chat_template_kwargs,
                   shard_size=shard_size, format=fmt, gpus=gpus, batch_tokens=batch_tokens, dtype=dtype,
-                  device=device, quiet=quiet)
+                  device=device, quiet=quiet, compile=compile_steps)
     from dflash_pipeline.generate.pipeline import run_generate
 
     run_generate(cfg)

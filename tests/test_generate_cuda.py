@@ -25,14 +25,14 @@ DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_graphed_engine_equals_greedy_generate_of_each_prompt(kind):
+@pytest.mark.parametrize("kind,compile", [("llama", False), ("gemma3", False), ("llama", True)])
+def test_graphed_engine_equals_greedy_generate_of_each_prompt(kind, compile):
     model = tiny_causal_lm(kind, seed=4).to(DEVICE)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 40, 17, 3, 60, 9, 28)]
     limits = [20, 6, 14, 30, 9, 25, 12]
     want = {i: hf_greedy(model, p, n) for i, (p, n) in enumerate(zip(prompts, limits))}
-    rows = make_rows(model, 3, 128, torch.device(DEVICE))
+    rows = make_rows(model, 3, 128, torch.device(DEVICE), compile=compile)   # compile: `dflash generate --compile`
     assert rows.runner.graphs == (DEVICE == "cuda")
     graphs_before = len(rows.runner._steps)
     source = Requests([Request(i, p, 0, n, "length") for i, (p, n) in enumerate(zip(prompts, limits))])

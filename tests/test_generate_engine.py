@@ -82,6 +82,25 @@ def test_engine_on_the_runner_equals_plain_greedy_decoding_of_each_prompt(kind):
     assert stats.replies == len(prompts) and stats.prefills >= 3   # rows were refilled as replies ended
 
 
+def test_generate_runner_reads_its_own_slots_and_compiles_on_request():
+    """`dflash generate`'s runner asks for the split decode kernel (each row reads only its own K/V on CUDA)
+    and, with --compile, runs its steps' layers through torch.compile (checked for equality with greedy
+    generate on the GPU: tests/test_generate_cuda.py)."""
+    from types import SimpleNamespace
+
+    from dflash_pipeline.generate.rows import open_rows
+    from dflash_pipeline.progress import LiveLine
+    from dflash_pipeline.schemas.generate import GenerateConfig
+
+    model = tiny_causal_lm("llama")
+    for compile in (False, True):
+        cfg = SimpleNamespace(max_length=64, batch_tokens=None, compile=compile)
+        rows = open_rows(model, cfg, torch.device("cpu"), LiveLine(enabled=False), conversations=2)
+        assert rows.runner._split and (rows.runner._compiled is not None) == compile
+        rows.close()
+    assert GenerateConfig(out="x").compile is False and "compile" not in GenerateConfig(out="x").output_settings()
+
+
 def test_a_target_the_runner_cannot_run_is_refused_before_planning(tmp_path):
     import transformers as tf
 

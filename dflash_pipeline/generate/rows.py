@@ -173,7 +173,9 @@ def open_rows(model, cfg, device: torch.device, line, conversations: int):
             raise DFlashError(f"--batch-tokens {cfg.batch_tokens} is less than one sequence of --max-length {capacity}")
         budget = budget_for(model.config, dtype, capacity, rows)
     line.say(budget.text())
-    return make_rows(model, budget.rows, capacity, device)
+    if cfg.compile:
+        line.say("compiling the decode step's layers before its graphs are captured (a minute or more)")
+    return make_rows(model, budget.rows, capacity, device, compile=cfg.compile)
 
 
 class RunnerRows:
@@ -182,14 +184,14 @@ class RunnerRows:
     new prompt's prefill. `capacity` is the asked length, not the runner's rounded slot count, so that
     which replies fit never depends on the runner's internals."""
 
-    def __init__(self, model, num_rows: int, capacity: int):
+    def __init__(self, model, num_rows: int, capacity: int, compile: bool = False):
         from dflash_pipeline.decoding.runner import DecodingRunner
         from dflash_pipeline.eval.models import Target
 
         # split_decode: a row reads only its own K/V, not the bucket its longest neighbour sets (generation has
         # no verify step whose kernel the decode step must match; decoding/runner.py)
         self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK,
-                                     split_decode=True)
+                                     split_decode=True, compile=compile)
         self.num_rows, self.capacity, self.device = num_rows, capacity, self.runner.device
         self.io = self.runner.inputs(1)
         if self.runner.graphs:
@@ -235,9 +237,10 @@ def check_target(target_path) -> None:
     _refuse(unsupported_reason(model))
 
 
-def make_rows(model, num_rows: int, capacity: int, device: torch.device) -> RunnerRows:
-    """`num_rows` sequences of up to `capacity` tokens on the decoding runner (graphed on CUDA)."""
+def make_rows(model, num_rows: int, capacity: int, device: torch.device, compile: bool = False) -> RunnerRows:
+    """`num_rows` sequences of up to `capacity` tokens on the decoding runner (graphed on CUDA; `compile`:
+    the step's decoder layers through torch.compile first)."""
     from dflash_pipeline.decoding.runner import unsupported_reason
 
     _refuse(unsupported_reason(model))
-    return RunnerRows(model, num_rows, capacity)
+    return RunnerRows(model, num_rows, capacity, compile=compile)
