@@ -23,16 +23,19 @@ GQA without repeated K/V: the g query heads of one KV head are folded into the q
 ([R, h, q, D] -> [R, h_kv, g*q, D]), so one SDPA call reads each KV head once, and the folded mask
 is a plain [R, 1, g*q, S] additive bias that the memory-efficient kernel takes.
 
-The kernel (`DFLASH_DECODE_ATTENTION`, read once at import): `auto` (default) runs one-token steps in
-bf16/fp16 on CUDA with `split` where the runner asks for it (`split_decode`: `dflash generate`;
-decoding/split_attention.py: a Triton split-KV kernel that reads each row's own slots only, K/V once per
-KV head), everything else with `math` on CUDA and `sdpa` elsewhere, and
-`sdpa` for a call whose scores would pass WRITTEN_OUT_MAX_SCORE_BYTES (a multi-row prefill); `split` forces
-the Triton kernel for one-token steps wherever Triton runs (its interpreter on the CPU, for tests) and is
-`auto` otherwise; `sdpa` is the memory-efficient SDPA kernel; `math` is the attention written out (Q K^T with
-the scores in fp32, softmax, P V), two batched GEMMs that cuBLAS spreads over the whole GPU where SDPA's
-grid is one block per (row, KV head) at decoding's few folded queries. On CUDA the scores come out of
-the bf16 GEMM in fp32 (`out_dtype`), so K is never copied; elsewhere Q and K are upcast first.
+The kernel (`DFLASH_DECODE_ATTENTION`, read once at import):
+- `auto` (default): one-token steps in bf16/fp16 on CUDA run `split` where the runner asks for it
+  (`split_decode`: `dflash generate`; decoding/split_attention.py, a Triton split-KV kernel that reads
+  each row's own slots only, K/V once per KV head); everything else runs `math` on CUDA and `sdpa`
+  elsewhere, and `sdpa` for a call whose scores would pass WRITTEN_OUT_MAX_SCORE_BYTES (a multi-row
+  prefill);
+- `split`: as `auto`, and those one-token steps take the Triton kernel wherever Triton runs (its
+  interpreter on the CPU, for tests);
+- `sdpa`: the memory-efficient SDPA kernel;
+- `math`: the attention written out (Q K^T with the scores in fp32, softmax, P V), two batched GEMMs
+  that cuBLAS spreads over the whole GPU where SDPA's grid is one block per (row, KV head) at decoding's
+  few folded queries. On CUDA the scores come out of the bf16 GEMM in fp32 (`out_dtype`), so K is never
+  copied; elsewhere Q and K are upcast first.
 Measured on an H200 (BENCHMARKS.md): 1.3-2.6x faster than SDPA at every decode, verify, tree and
 generation shape, with errors against fp32 within 2x of SDPA's; in the bf16 tie calibration on the real
 SmolLM2 (its upcast form) it moved the top-2 margin between the decode step and chain / tree verify
