@@ -103,11 +103,21 @@ def _split_available() -> bool:
     return split_attention.available()
 
 
+@functools.lru_cache(maxsize=None)
+def _tensor_core_dots(index: int) -> bool:
+    """Triton's bf16 dot needs Ampere or newer (compute capability 8.0)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def split_for(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether one-token steps (q = 1) of a `dtype` cache on `device` run the split kernel (without soft-capping)."""
     if KERNEL not in ("auto", "split") or dtype not in (torch.bfloat16, torch.float16):
         return False
-    if KERNEL == "auto" and torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if KERNEL == "auto" and device.type != "cuda":
+        return False
+    if device.type == "cuda" and torch.cuda.is_available() and not _tensor_core_dots(
+            torch.cuda.current_device() if device.index is None else device.index):
         return False
     return _split_available()
 

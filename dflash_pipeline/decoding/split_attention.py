@@ -30,6 +30,7 @@ P splits per (row, KV head).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -170,7 +171,7 @@ def _run(q_RkGD, k_RkSD, v_RkSD, n_vis_R, q_pos_R, slot_pos_RS, scale: float, wi
         raise ValueError("split attention: K and V need a contiguous head dimension")
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     partial_kernel, merge_kernel = _kernels(interpret)
-    sms = _sm_count(q_RkGD.device.index or 0) if q_RkGD.is_cuda else 8
+    sms = _sm_count(q_RkGD.get_device()) if q_RkGD.is_cuda else 8
     splits, chunk = plan_splits(R * hk, S, sms)
     out = torch.empty((R, hk, G, D), dtype=q_RkGD.dtype, device=q_RkGD.device)
     block_g = max(16, 1 << (G - 1).bit_length())
@@ -182,18 +183,20 @@ def _run(q_RkGD, k_RkSD, v_RkSD, n_vis_R, q_pos_R, slot_pos_RS, scale: float, wi
         o_part = torch.empty((R * hk, splits, G, D), dtype=torch.float32, device=q_RkGD.device)
         m_part = torch.empty((R * hk, splits, G), dtype=torch.float32, device=q_RkGD.device)
         l_part = torch.empty_like(m_part)
-    partial_kernel[(R * hk, splits)](
-        q_RkGD, k_RkSD, v_RkSD, n_vis_R, q_pos_R, slot_pos_RS, out, o_part, m_part, l_part,
-        q_RkGD.stride(0), q_RkGD.stride(1), q_RkGD.stride(2),
-        k_RkSD.stride(0), k_RkSD.stride(1), k_RkSD.stride(2),
-        v_RkSD.stride(0), v_RkSD.stride(1), v_RkSD.stride(2), slot_pos_RS.stride(0),
-        hk, G, D, chunk, splits, scale, window,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, WINDOW=window > 0, SINGLE=single, UPCAST=interpret,
-        num_warps=4, num_stages=2,
-    )
-    if not single:
-        merge_kernel[(R * hk,)](o_part, m_part, l_part, out, G, D, splits, BLOCK_G=block_g, BLOCK_D=block_d,
-                                num_warps=4)
+    # Triton launches on the current device: make it the tensors' one (a process may hold several GPUs)
+    with torch.cuda.device(q_RkGD.device) if q_RkGD.is_cuda else contextlib.nullcontext():
+        partial_kernel[(R * hk, splits)](
+            q_RkGD, k_RkSD, v_RkSD, n_vis_R, q_pos_R, slot_pos_RS, out, o_part, m_part, l_part,
+            q_RkGD.stride(0), q_RkGD.stride(1), q_RkGD.stride(2),
+            k_RkSD.stride(0), k_RkSD.stride(1), k_RkSD.stride(2),
+            v_RkSD.stride(0), v_RkSD.stride(1), v_RkSD.stride(2), slot_pos_RS.stride(0),
+            hk, G, D, chunk, splits, scale, window,
+            BLOCK_G=block_g, BLOCK_D=block_d, BLOCK=BLOCK_N, WINDOW=window > 0, SINGLE=single, UPCAST=interpret,
+            num_warps=4, num_stages=2,
+        )
+        if not single:
+            merge_kernel[(R * hk,)](o_part, m_part, l_part, out, G, D, splits, BLOCK_G=block_g, BLOCK_D=block_d,
+                                    num_warps=4)
     return out
 
 
