@@ -48,12 +48,13 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(interpret: bool):
-    """The two Triton kernels, decorated on first use (under the interpreter when `interpret`)."""
+def _partial_kernel(interpret: bool):
+    """The first kernel, decorated on first use (`interpret`: part of the cache key only, as triton reads
+    TRITON_INTERPRET when it decorates): each program's running softmax over its chunk of slots."""
     import triton
     import triton.language as tl
 
-    del interpret  # part of the cache key only: triton reads TRITON_INTERPRET when it decorates
+    del interpret
 
     @triton.jit
     def partial_kernel(Q, K, V, NVis, QPos, SlotPos, Out, OPart, MPart, LPart,
@@ -118,6 +119,17 @@ def _kernels(interpret: bool):
             tl.store(MPart + at * G + offs_g, m_i, mask=g_ok)
             tl.store(LPart + at * G + offs_g, l_i, mask=g_ok)
 
+    return partial_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_kernel(interpret: bool):
+    """The second kernel: a (row, KV head)'s chunks merged into one softmax (only when there are several)."""
+    import triton
+    import triton.language as tl
+
+    del interpret
+
     @triton.jit
     def merge_kernel(OPart, MPart, LPart, Out, G, D, splits,
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -144,7 +156,7 @@ def _kernels(interpret: bool):
         o = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]   # only padded query rows have l = 0
         tl.store(Out + (rh * G + offs_g[:, None]) * D + offs_d[None, :], o.to(Out.dtype.element_ty), mask=mask)
 
-    return partial_kernel, merge_kernel
+    return merge_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,7 +182,7 @@ def _run(q_RkGD, k_RkSD, v_RkSD, n_vis_R, q_pos_R, slot_pos_RS, scale: float, wi
     if k_RkSD.stride(3) != 1 or v_RkSD.stride(3) != 1:
         raise ValueError("split attention: K and V need a contiguous head dimension")
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    partial_kernel, merge_kernel = _kernels(interpret)
+    partial_kernel, merge_kernel = _partial_kernel(interpret), _merge_kernel(interpret)
     sms = _sm_count(q_RkGD.get_device()) if q_RkGD.is_cuda else 8
     splits, chunk = plan_splits(R * hk, S, sms)
     out = torch.empty((R, hk, G, D), dtype=q_RkGD.dtype, device=q_RkGD.device)
