@@ -70,3 +70,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's interpreter on the CPU. Triton 3.6's interpreter turns its scalars (1-element arrays) into
+    loop bounds with int(), which numpy >= 2.4 refuses: patched here to take the element."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)

@@ -267,16 +267,24 @@ def test_static_drafter_round_equals_draft_step(kernel, monkeypatch):
         assert io.argmax_Rm[1].tolist() == head(hidden[0, 1:]).argmax(-1).tolist()
 
 
-def test_decode_attention_candidates_equal_the_static_attention():
+def test_decode_attention_candidates_equal_the_static_attention(request):
     """bench/decode_attention.py's candidates (written-out math, FlexAttention, FlexAttention reading only each
-    row's own K/V blocks) give what `folded_attention` gives, on rows that end in different 128-slot blocks,
-    for a decode step and a block verify: whichever the GPU measurement picks computes the same attention."""
+    row's own K/V blocks, and for one-token steps the split Triton kernel, interpreted here) give what
+    `folded_attention` gives, on rows that end in different 128-slot blocks, for a decode step and a block
+    verify: whichever the GPU measurement picks computes the same attention."""
     import decode_attention as da
+
+    from dflash_pipeline.decoding import split_attention
 
     for R, hk, g, q, D in ((4, 3, 3, 1, 64), (3, 2, 4, 16, 32)):
         q_, k_, v_, mask = da.inputs(R, hk, g, q, D, 520, torch.float32)
         ref = da.sdpa(q_, k_, v_, mask, D ** -0.5)
-        for fn in (da.math, da.math_upcast, da.make_flex(False, False), da.make_flex(False, True)):
+        candidates = [da.math, da.math_upcast, da.make_flex(False, False), da.make_flex(False, True)]
+        if q == 1 and split_attention.available():
+            request.getfixturevalue("interpreter")
+            da.SPLIT_LENGTHS[id(mask)] = torch.isfinite(mask[:, 0, 0]).sum(-1)
+            candidates.append(da.split)
+        for fn in candidates:
             torch.testing.assert_close(fn(q_, k_, v_, mask, D ** -0.5), ref, atol=2e-5, rtol=1e-5)
         # Uncompiled FlexAttention does not skip blocks, so the sparse block mask is checked on its own: a row
         # reads exactly the 128-slot blocks up to the one holding its last visible slot.

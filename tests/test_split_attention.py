@@ -12,7 +12,6 @@ dot itself runs only on a GPU (tests/test_decoding_cuda.py).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,22 +20,6 @@ from dflash_pipeline.decoding.runner import DecodingRunner
 from decoding_helpers import tiny_causal_lm as tiny
 
 pytestmark = pytest.mark.skipif(not split_attention.available(), reason="triton is not installed")
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    """Triton's interpreter on the CPU. Triton 3.6's interpreter turns its scalars (1-element arrays) into
-    loop bounds with int(), which numpy >= 2.4 refuses: patched here to take the element."""
-    from triton.runtime import interpreter as interp
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
 
 
 def cache_view(R, hk, S, D, dtype, gen, spare=64):
