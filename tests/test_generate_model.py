@@ -161,7 +161,9 @@ def test_output_round_trips_through_extract(generated, references, tmp_path):
 
 
 def test_rerun_completes_nothing_and_refuses_other_settings(generated, data_file):
-    out, _, _ = generated
+    out, record, _ = generated
+    # the record names the attention kernels that wrote the replies (the CPU's SDPA here) and --compile
+    assert [(w["decode_attention"], w["compile"]) for w in record["workers"]] == [("sdpa", False)]
     again = run_generate(_cfg(out, data_file))
     assert again["shards_this_run"] == 0 and again["total"]["rows"] == 5
     with pytest.raises(ConfigMismatchError, match="temperature: the output has 0.0, this run asks for 0.5"):
