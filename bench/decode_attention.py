@@ -161,6 +161,7 @@ def main() -> None:
     for name, (R, hk, g, q, D) in cases.items():
         q_, k_, v_, mask = inputs(R, hk, g, q, D, S, dtype)
         visible_R = torch.isfinite(mask[:, 0, 0]).sum(-1)
+        SPLIT_LENGTHS.clear()   # an earlier case's mask is gone and its id may be reused: only this case's
         if q == 1:
             SPLIT_LENGTHS[id(mask)] = visible_R
         scale = D ** -0.5

@@ -166,7 +166,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    from dflash_pipeline.decoding.attention import kernels_label
     from dflash_pipeline.decoding.runner import DecodingRunner
 
     if a.smoke:
@@ -196,6 +195,7 @@ def main() -> None:
     max_len = max(len(p) for p in prompts) + n + 80
     decoded = []
     with DecodingRunner(model, max_len=max_len, split_decode=a.split_decode) as runner:  # the model attends over the runner's cache here
+        kernels = runner.decode_attention
         for i, prompt in enumerate(prompts):
             tokens, top_ids, top_vals = greedy_reference(runner, prompt, n)
             decoded.append((prompt, tokens, top_ids, top_vals))
@@ -211,7 +211,7 @@ def main() -> None:
     every = [x for v in gaps.values() for x in v]
     need = math.ceil(max(every) - 1e-9)
     out = {"target": label, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "dtype": a.dtype, "decode_attention": kernels_label(a.device, dtype, a.split_decode), "torch": torch.__version__, "prompts": len(prompts),
+           "dtype": a.dtype, "decode_attention": kernels, "torch": torch.__version__, "prompts": len(prompts),
            "new_tokens": n, "positions": len(margins), "tie_ulps_now": TIE_ULPS,
            "margin_gap_ulp": {k: quantiles(v) for k, v in gaps.items()},
            "tie_ulps_covering_every_gap": need,

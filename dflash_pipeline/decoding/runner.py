@@ -43,7 +43,8 @@ from typing import Sequence
 
 import torch
 
-from dflash_pipeline.decoding.attention import STATIC_ATTENTION, StaticKV, StepState, active, active_state, register
+from dflash_pipeline.decoding.attention import (STATIC_ATTENTION, StaticKV, StepState, active, active_state,
+                                                kernels_label, register)
 from dflash_pipeline.decoding.graphs import GraphedStep, new_pool
 from dflash_pipeline.extract.target import decoder_layers, text_config
 
@@ -162,6 +163,11 @@ class DecodingRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def decode_attention(self) -> str:
+        """The attention kernels this runner's steps run, as reports name them ('split/math', 'math', ...)."""
+        return kernels_label(self.device, self.dtype, self._split)
 
     @property
     def num_features(self) -> int:

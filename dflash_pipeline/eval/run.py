@@ -37,7 +37,6 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_pipeline.decoding.attention import kernel_for
 from dflash_pipeline.decoding.tree import check_tree_target
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
@@ -382,7 +381,7 @@ def _decode_share(proc: Proc, cfg: EvalConfig, prompts: list[Prompt], progress: 
     # the target's attention in its steps: the static runner's kernel (decoding/attention.py), or
     # transformers' own on the eager path; named so that a report says which kernel its numbers came from
     share.update(decoding="graphed" if graphed else "eager", block_size=drafter.block_size,
-                 decode_attention=kernel_for(device) if graphed else "transformers")
+                 decode_attention=target.runner.decode_attention if graphed else "transformers")
     return share
 
 

@@ -196,13 +196,10 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine)
     finally:
         rows.close()   # the runner gives the model its own attention back
     progress.done()
-    from dflash_pipeline.decoding.attention import kernels_label
-
-    # the attention kernels the steps ran (decoding/attention.py): in bf16 they round differently, so a
-    # record says which produced its replies
+    # the attention kernels the steps ran: in bf16 they round differently, so a record says which produced its replies
     return {"rank": proc.rank, "shards": len(work.committed), "counts": work.total.to_dict(), "engine": stats.to_dict(),
             "rows": rows.num_rows, "capacity": rows.capacity, "compile": cfg.compile,
-            "decode_attention": kernels_label(device, DTYPES[cfg.dtype], split_decode=True)}
+            "decode_attention": rows.runner.decode_attention}
 
 
 # ------------------------------------------------------------------------------------------------
