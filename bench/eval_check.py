@@ -5,7 +5,7 @@ the GPU machine) and a random 5-layer drafter, over two prompt files (run_eval, 
 
   bf16   the default dtype on a GPU: the verify and decode kernels differ, so tie divergences may
          occur; the run must still be lossless (no divergence at a clear margin, exit code 0). The ties
-         are listed with their margins, each within the rule's 8 ulp of bf16 at its logit.
+         are listed with their margins, each within the rule's 12 ulp of bf16 at its logit.
   fp32   `--dtype fp32`: exact, token for token (lossless, and no tie by the rule).
   gpus   with 2+ GPUs, the bf16 run on every GPU: one merged report (processes = GPUs) and the same
          tokens for every prompt as on one GPU (the per-prompt records compared).

@@ -38,8 +38,8 @@ The kernel (`DFLASH_DECODE_ATTENTION`, read once at import):
   copied; elsewhere Q and K are upcast first.
 Measured on an H200 (BENCHMARKS.md): 1.3-2.6x faster than SDPA at every decode, verify, tree and
 generation shape, with errors against fp32 within 2x of SDPA's; in the bf16 tie calibration on the real
-SmolLM2 (its upcast form) it moved the top-2 margin between the decode step and chain / tree verify
-steps by at most 8 ulp where SDPA's tree verify moved it by 46. On the CPU SDPA is the tighter one
+SmolLM2 it moved the top-2 margin between the decode step and chain / tree verify steps by at most 3 /
+11 ulp (8 / 7 in its upcast form) where SDPA's tree verify moved it by 46. On the CPU SDPA is the tighter one
 (4-5.5 ulp against 8-9), so `auto` keeps it there. Soft-capped models (Gemma 2) always use `math`: SDPA
 has no soft-capping.
 

@@ -13,25 +13,26 @@ divergence**, a fact of the arithmetic, not a bug. The rule:
     a divergence at position i is a tie iff  top1_i - top2_i <= TIE_ULPS * ulp(dtype, max(|top1_i|, |top2_i|))
 
 where ulp(dtype, x) is the spacing of the dtype's numbers at magnitude x (bf16: 2^(e - 7) for
-x in [2^e, 2^(e+1)); a bf16 logit near 20 has ulp 0.125, so TIE_ULPS = 8 excuses margins up to 1.0
+x in [2^e, 2^(e+1)); a bf16 logit near 20 has ulp 0.125, so TIE_ULPS = 12 excuses margins up to 1.5
 there). A divergence at a clear margin is a failure.
 
 TIE_ULPS is measured, not assumed (`bench/tie_rule.py`): the real SmolLM2-135M in bf16, 2,048 greedy
 positions, puts the same top-2 margin this far apart between its one-token decode step and a chain
 verify (blocks of 16 or 65), a tree-laid-out verify and a plain forward (transformers' own, another
 algorithm altogether):
-- on an H200 with the default kernel there (`math`, fp32 scores; decoding/attention.py; measured in
-  its first form, Q and K upcast before the product): p99 1-2 ulp,
-  p99.9 2-6, max 8 (chain) and 7 (tree), 19 against the plain forward; with SDPA the chain's max was 3
-  but the tree verify's 46;
+- on an H200 with the default kernel there (`math`, fp32 scores; decoding/attention.py): in its current
+  form (the bf16 GEMM writing fp32 scores) p99 2, p99.9 2-4, max 3 (chain) and **11** (tree), 7 against
+  the plain forward; in its first form (Q and K upcast before the product) max 8 (chain) and 7 (tree);
+  with SDPA the chain's max was 3 but the tree verify's 46;
 - on the CPU with the default kernel there (SDPA): p99 2-3, p99.9 4, max 4 (chain) and 5.5 (tree); the
   written-out kernel: max 8-9, 12 against the plain forward.
 The first rule (2 ulp: one rounding per pass) failed correct GPU tree runs at 4 ulp although fp32 was
-exact on the same prompts. 8 covers every gap between the decoding passes of each device's default
-kernel (the GPU's chain maximum exactly); the gap is heavy-tailed, so a rare divergence past it on a
-correct run stays possible (that is what fp32 settles). What the rule gives up is the check at the
-positions whose margin is that small (28-33% of them for SmolLM2 on chat prompts), where a bug would
-pass as a tie: a bug shows at the others, and fp32 (`--dtype fp32`) stays exact everywhere.
+exact on the same prompts; the second (8) covered every gap then measured, until the GPU kernel's
+current form put one tree-verify position of 2,048 at 11. 12 covers every gap measured between the
+decoding passes of each device's default kernel; the gap is heavy-tailed, so a rare divergence past it
+on a correct run stays possible (that is what fp32 settles). What the rule gives up is the check at
+the positions whose margin is that small (about 40% of them for SmolLM2 on chat prompts), where a bug
+would pass as a tie: a bug shows at the others, and fp32 (`--dtype fp32`) stays exact everywhere.
 
 After a tie the two outputs continue from different prefixes, so comparing them further says nothing.
 The speculative output is then checked against the target's own greedy choice along the speculative
@@ -49,7 +50,7 @@ from typing import Callable, Sequence
 
 import torch
 
-TIE_ULPS = 8  # the spread of the target's own passes, measured (module docstring)
+TIE_ULPS = 12  # the spread of the target's own passes, measured (module docstring)
 
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
