@@ -258,6 +258,23 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     assert "| ce@orig | store orig-bf16 |" in md
 
 
+def test_summary_says_unmeasured_goals_are_unmeasured(tmp_path):
+    """A root that holds only a variant run (its base trained in another root): the goals it cannot judge
+    read "not measured", not "missed", and no cell reads None."""
+    import quality
+    from quality_summary import build_summary
+
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+    d = b.run_dir("ce@fp8")
+    (d / "final").mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"step": 4, "finished": True, "seconds": 9.0,
+                                                "eval": {"tau_chain": 1.4, "acc_per_pos": [0.4], "acc": 0.4}}))
+    md, rec = build_summary(b)
+    goals = md[md.index("## Goals"):]
+    assert "| real tau (T=0, block 16, chat) >= 3.0 | - | not measured |" in goals
+    assert "None" not in goals and "**missed**" not in goals.split("held-out estimate")[0]
+
+
 def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypatch):
     """--stores regen-t1-bf16,mix-bf16: part `data` regenerates a second set at T=1 (only then), the mixed
     store is extracted from both sets of replies, and their variants train under their own names."""
