@@ -14,14 +14,15 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
   data       data/regen: the same conversations with the replies regenerated greedily by the target
              (`dflash generate`); data/regen-t1 as well, sampled at T=1, when --stores names a store of it
   stores     `dflash extract` of both (bf16) and of the regenerated set in fp8, timed; on request
-             (--stores) regen-t1-bf16 (the sampled set) and mix-bf16 (original and greedy replies together)
+             (--stores) regen-t1-bf16 (the sampled set), mix-bf16 (original and greedy replies together) and
+             all-fp8 (original, greedy and sampled replies together, in fp8)
   recipes    `dflash train` on the regenerated bf16 store, equal steps (RECIPES below), then `dflash eval`
              of each drafter (held-out chat prompts at T=0 and T=1, code prompts at T=0), and the best
              one's T=0 chat eval again alone on the machine (the speedup; the others share the GPU);
              with --eval-trees 16,64 both T=0 chat evals also verify trees of those budgets, and the
              summary sets each drafter's chain and trees side by side (real tau, speedup, estimate)
   variants   the best recipe on the original-reply store and on the fp8 store (--variant-stores: any of
-             orig-bf16, regen-fp8, regen-t1-bf16, mix-bf16; runs BEST@orig, @fp8, @t1, @mix)
+             orig-bf16, regen-fp8, regen-t1-bf16, mix-bf16, all-fp8; runs BEST@orig, @fp8, @t1, @mix, @all)
   curve      the best recipe at other training lengths (a learning curve with the recipes' run)
   specforge  SpecForge 0.2's DFlash trainer on the same store, steps, batch, lr schedule and block size
              (bench/specforge_dflash.py), its drafter converted to our export and evaluated the same way;
@@ -153,9 +154,12 @@ RECIPES: dict[str, dict[str, Any]] = {
 # were narrower: at 800 steps the original replies' drafter was ahead at T=1 and on code, 2026-12-02).
 STORES = {"orig-bf16": (("orig",), "bf16"), "regen-bf16": (("regen",), "bf16"), "regen-fp8": (("regen",), "fp8"),
           "regen-t1-bf16": (("regen-t1",), "bf16"),
-          "mix-bf16": (("orig", "regen"), "bf16")}   # both sets of replies in one store: twice the conversations
+          "mix-bf16": (("orig", "regen"), "bf16"),   # both sets of replies in one store: twice the conversations
+          # all three sets in fp8 (which trained as well as bf16 at 600 steps, 2026-12-02): 3x the replies of one
+          # set, ~11M tokens, ~27 GB where bf16 would need ~43 GB of the GPU machine's 64 GB disk
+          "all-fp8": (("orig", "regen", "regen-t1"), "fp8")}
 DEFAULT_STORES = ("orig-bf16", "regen-bf16", "regen-fp8")
-VARIANT_TAGS = {"orig-bf16": "orig", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix"}  # run name suffix
+VARIANT_TAGS = {"orig-bf16": "orig", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix", "all-fp8": "all"}  # run name suffix
 REGEN_TEMPERATURE = {"regen": 0.0, "regen-t1": 1.0}
 GENERATION_FIELDS = ("n", "max_prompt_tokens", "max_new_tokens", "max_length", "turns")  # what data/regen* depend on
 
@@ -664,7 +668,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma list: the recipes part `recipes` trains")
     ap.add_argument("--stores", default=",".join(DEFAULT_STORES), help="comma list: the stores part `stores` "
                     f"extracts, of {', '.join(STORES)} (regen-t1: sampled regeneration at T=1; mix: original and "
-                    "greedy regenerated replies in one store)")
+                    "greedy regenerated replies in one store; all-fp8: the three sets of replies in one fp8 store)")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
                     help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "

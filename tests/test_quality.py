@@ -301,14 +301,16 @@ def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypa
     other = quality.Bench(str(tmp_path), None, quality.dataclasses.replace(quality.SMOKE, max_new_tokens=99), smoke=True)
     with pytest.raises(SystemExit, match=r"generated with max_new_tokens 16 \(now 99\)"):
         quality.part_data(other, None, "cli")
-    b.stores = ["regen-bf16", "regen-t1-bf16", "mix-bf16"]
+    b.stores = ["regen-bf16", "regen-t1-bf16", "mix-bf16", "all-fp8"]
     gen = cmds(quality.part_data, None, "cli")
     assert opt(gen["generate"], "--temperature") == ["0"] and opt(gen["generate-regen-t1"], "--temperature") == ["1"]
     assert opt(gen["generate-regen-t1"], "--out") == [str(b.data("regen-t1"))]
     b.write("data", {**b.read("data"), "complete": True})
     stores = cmds(quality.part_stores, None)
-    assert set(stores) == {"extract-regen-bf16", "extract-regen-t1-bf16", "extract-mix-bf16"}
+    assert set(stores) == {"extract-regen-bf16", "extract-regen-t1-bf16", "extract-mix-bf16", "extract-all-fp8"}
     assert opt(stores["extract-mix-bf16"], "--data") == [str(b.data("orig.jsonl")), str(b.data("regen"))]
+    assert opt(stores["extract-all-fp8"], "--data") == [str(b.data(d)) for d in ("orig.jsonl", "regen", "regen-t1")]
+    assert opt(stores["extract-all-fp8"], "--codec") == ["fp8"]
     assert opt(stores["extract-regen-t1-bf16"], "--data") == [str(b.data("regen-t1"))]
     for name in ("regen-t1-bf16", "mix-bf16"):
         (b.root / "stores" / f"{name}.json").write_text("{}")
