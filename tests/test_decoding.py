@@ -160,7 +160,8 @@ def test_rows_are_independent_and_a_row_is_refilled_while_others_decode():
     runner.close()
 
 
-def test_compiled_steps_write_every_layers_cache_in_place():
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+def test_compiled_steps_write_every_layers_cache_in_place(kind):
     """`compile=True` (eval --compile, generate --compile) on the CPU, fp32, 3 rows of different lengths:
     the same logits and the same cache, layer by layer, as the eager steps; and no compiled code makes a
     buffer of a layer's cache size. Written as a scatter into a view of the cache, the write made Inductor
@@ -168,7 +169,7 @@ def test_compiled_steps_write_every_layers_cache_in_place():
     mutating op on that view wrote every layer into layer 0's buffer once the layer index was symbolic."""
     from torch._inductor.utils import run_and_get_code
 
-    model = tiny("qwen3", seed=4)
+    model = tiny(kind, seed=4)   # both with sliding-window layers beside full ones
     prompts = [[5, 17, 3, 44, 9, 12, 80, 1, 33], [3, 9], [4, 9, 27, 4, 50, 6]]
 
     def decode(compile: bool):
