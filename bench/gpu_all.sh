@@ -5,8 +5,8 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         tree tree-eval extract-hybrid eval-check profile-decode decode-attention tie-rule (default: all but
-#         replica, ddp, disk, attention, tree, tree-eval, extract-hybrid, eval-check, profile-decode,
+#         tree tree-eval extract-hybrid eval-check profile-decode profile-generate decode-attention tie-rule (default: all but
+#         replica, ddp, disk, attention, tree, tree-eval, extract-hybrid, eval-check, profile-decode, profile-generate,
 #         decode-attention and tie-rule, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
@@ -104,6 +104,13 @@ for p in $parts; do
     for shape in smollm2 qwen3-8b; do
       part "profile-decode-$shape" 180 "$py" bench/profile_decode.py --shape "$shape" \
         --json "$out/profile-decode-$shape.json" "${smoke[@]}"
+    done ;;
+  profile-generate)
+    # The kernels of one `dflash generate` step (Qwen3-8B shape, 128 rows of 256-512 tokens, split decode
+    # kernel), eager layers and compiled: what is left between the step and its bandwidth bound.
+    for mode in eager compiled; do
+      part "profile-generate-$mode" 240 "$py" bench/profile_decode.py --shape qwen3-8b --rows 128 --context 512 \
+        --split-decode $([ $mode = compiled ] && echo --compile) --json "$out/profile-generate-$mode.json" "${smoke[@]}"
     done ;;
   decode-attention)
     # The decode step's attention alone (SDPA as now, written-out math, FlexAttention), graphed, per shape.
