@@ -64,7 +64,8 @@ part() {  # part NAME SECONDS CMD...
 for p in $parts; do
   case $p in
   cuda-tests)
-    part cuda-tests "${LIMIT_CUDA_TESTS:-420}" "$py" -m pytest -q -x -ra tests/test_masks.py tests/test_loss.py tests/test_model.py \
+    # not -x: a test-only failure early in the list stopped two runs before the tests written for them ran
+    part cuda-tests "${LIMIT_CUDA_TESTS:-420}" "$py" -m pytest -q -ra --maxfail=5 tests/test_masks.py tests/test_loss.py tests/test_model.py \
       tests/test_decoding_cuda.py tests/test_generate_cuda.py ;;
   replica)
     # --gpus-per-replica 2 against the whole target on one GPU: the same store (needs two GPUs).
