@@ -49,7 +49,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import save_json  # noqa: E402
 
-from dflash_pipeline.decoding.attention import kernels_label  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -232,10 +231,11 @@ def run_ours(model, prompts: list[list[int]], new_tokens: int, rows: int, capaci
     _sync()
     step_s = (time.perf_counter() - t1) / steps
     mean_prompt = sum(len(p) for p in prompts[:rows]) / rows
+    kernels = runner.runner.decode_attention   # as the runner was configured (`dflash generate`'s)
     runner.close()   # the model gets its own attention back, for the baselines after this
     del runner, engine
     _free()
-    return {"rows": rows, "compile": compile, "build_seconds": build_s, "requests": len(prompts),
+    return {"rows": rows, "compile": compile, "decode_attention": kernels, "build_seconds": build_s, "requests": len(prompts),
             "new_tokens": new_tokens, "seconds": seconds,
             "tokens_per_second": stats.tokens / seconds, "engine": engine_stats,
             "run_step_ms": 1000 * seconds / max(stats.steps, 1), "run_mean_context": engine_stats["mean_context"],
@@ -400,8 +400,7 @@ def main() -> None:
         args.prompt_tokens, args.new_tokens, args.hf_new_tokens = 24, 8, 4
     os.makedirs(args.work, exist_ok=True)
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-              "transformers": __import__("transformers").__version__, "args": vars(args), "targets": {},
-              "decode_attention": kernels_label(DEVICE, DTYPE, split_decode=True)}
+              "transformers": __import__("transformers").__version__, "args": vars(args), "targets": {}}
     for name in targets:
         result["targets"][name] = bench_target(name, args, skip)
         _free()

@@ -64,16 +64,16 @@ def profile(shape: dict, family: str, context: int, steps: int, top: int, rows: 
     kernels = [e for e in events if cuda]
     total_us = sum(getattr(e, attr, 0.0) for e in kernels) / steps
     n_kernels = sum(e.count for e in kernels) / steps
-    rows = [{"name": e.key[:90], "us_per_step": getattr(e, attr, 0.0) / steps, "calls_per_step": e.count / steps}
-            for e in events[:top]]
+    top_kernels = [{"name": e.key[:90], "us_per_step": getattr(e, attr, 0.0) / steps, "calls_per_step": e.count / steps}
+                   for e in events[:top]]
     L = shape["num_hidden_layers"]
     out = {**results, "kernel_us_per_step": total_us, "kernels_per_step": n_kernels,
-           "kernels_per_layer": n_kernels / L, "top": rows, "context": context, "layers": L,
+           "kernels_per_layer": n_kernels / L, "top": top_kernels, "context": context, "layers": L,
            "rows": len(lengths), "mean_context": sum(lengths) / len(lengths), "split_decode": split_decode,
            "compile": compile}
     print(f"graph {results['graph_ms']:.2f} ms, eager {results['eager_ms']:.2f} ms, kernels {total_us / 1e3:.2f} ms "
           f"in {n_kernels:.0f} kernels ({n_kernels / L:.1f} per layer)")
-    for r in rows:
+    for r in top_kernels:
         print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['name']}")
     return out
 
