@@ -93,12 +93,54 @@ def test_generate_runner_reads_its_own_slots_and_compiles_on_request():
     from dflash_pipeline.schemas.generate import GenerateConfig
 
     model = tiny_causal_lm("llama")
-    for compile in (False, True):
+    for compile, want in ((None, False), (False, False), (True, True)):   # None: the default, off on CPUs
         cfg = SimpleNamespace(max_length=64, batch_tokens=None, compile=compile)
         rows = open_rows(model, cfg, torch.device("cpu"), LiveLine(enabled=False), conversations=2)
-        assert rows.runner._split and (rows.runner._compiled is not None) == compile
+        assert rows.runner._split and (rows.runner._compiled is not None) == want == rows.compiled
         rows.close()
-    assert GenerateConfig(out="x").compile is False and "compile" not in GenerateConfig(out="x").output_settings()
+    assert GenerateConfig(out="x").compile is None and "compile" not in GenerateConfig(out="x").output_settings()
+
+
+def test_a_compiler_failure_falls_back_to_eager_steps_unless_compiling_was_asked_for(monkeypatch):
+    """Compiling is the default on CUDA: a layer torch.compile cannot trace must not stop a generation
+    run; it goes on with eager steps and says why. With an explicit --compile the failure is one clear
+    line (DFlashError), and either way the model has its own attention back."""
+    import dflash_pipeline.generate.rows as rows_mod
+    from dflash_pipeline.progress import LiveLine
+
+    model = tiny_causal_lm("llama")
+    attn = model.config._attn_implementation
+    real = rows_mod.make_rows
+
+    def failing(model, num_rows, capacity, device, compile=False):
+        if compile:
+            raise RuntimeError("backend compiler failed\nlong inner traceback text")
+        return real(model, num_rows, capacity, device)
+
+    monkeypatch.setattr(rows_mod, "make_rows", failing)
+    said = []
+    line = LiveLine(enabled=False)
+    monkeypatch.setattr(line, "say", said.append)
+    rows = rows_mod.build_rows(model, 2, 64, torch.device("cpu"), compile=True, asked=False, line=line)
+    assert not rows.compiled and rows.runner._compiled is None
+    assert any("RuntimeError: backend compiler failed" in s and "eager" in s for s in said)
+    rows.close()
+    assert model.config._attn_implementation == attn
+    with pytest.raises(DFlashError, match="--compile: compiling the decode step failed .*--no-compile"):
+        rows_mod.build_rows(model, 2, 64, torch.device("cpu"), compile=True, asked=True, line=line)
+
+
+def test_rows_whose_graph_capture_fails_give_the_model_its_attention_back(monkeypatch):
+    model = tiny_causal_lm("llama")
+    attn = model.config._attn_implementation
+
+    def boom(self, n):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(DecodingRunner, "inputs", boom)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        make_rows(model, 2, 64, torch.device("cpu"))
+    assert model.config._attn_implementation == attn
 
 
 def test_a_target_the_runner_cannot_run_is_refused_before_planning(tmp_path):

@@ -85,6 +85,8 @@ def _quiet_flex():
 
 @pytest.mark.parametrize("kind", ["full", "sliding"])
 def test_matches_reference_dflash_model(kind, tmp_path):
+    # the DFlash authors' package: a test reference (the Makefile installs it), absent where only the GPU image's packages are
+    pytest.importorskip("dflash", reason="the reference `dflash` package is not installed")
     from dflash.model import DFlashDraftModel, _crop_to, _make_cache
 
     cfg = tiny_config(kind)
@@ -424,6 +426,7 @@ def test_qwen3_8b_shape_has_about_a_billion_parameters():
 
 
 def test_default_layer_ids():
+    pytest.importorskip("dflash", reason="the reference `dflash` package is not installed")
     from dflash.model import build_target_layer_ids
 
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]

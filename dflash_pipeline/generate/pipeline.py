@@ -198,7 +198,7 @@ def worker_main(proc: Proc, cfg: GenerateConfig, prep: Prepared, line: LiveLine)
     progress.done()
     # the attention kernels the steps ran: in bf16 they round differently, so a record says which produced its replies
     return {"rank": proc.rank, "shards": len(work.committed), "counts": work.total.to_dict(), "engine": stats.to_dict(),
-            "rows": rows.num_rows, "capacity": rows.capacity, "compile": cfg.compile,
+            "rows": rows.num_rows, "capacity": rows.capacity, "compile": rows.compiled,
             "decode_attention": rows.runner.decode_attention}
 
 

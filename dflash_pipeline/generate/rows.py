@@ -173,9 +173,32 @@ def open_rows(model, cfg, device: torch.device, line, conversations: int):
             raise DFlashError(f"--batch-tokens {cfg.batch_tokens} is less than one sequence of --max-length {capacity}")
         budget = budget_for(model.config, dtype, capacity, rows)
     line.say(budget.text())
-    if cfg.compile:
-        line.say("compiling the decode step's layers before its graphs are captured (a minute or more)")
-    return make_rows(model, budget.rows, capacity, device, compile=cfg.compile)
+    # compile by default on CUDA: the fused elementwise kernels made the 128-row 8B step 1.48x faster on an
+    # H200 (BENCHMARKS.md); on CPUs (tests, demo) compiling costs more than it saves
+    compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    return build_rows(model, budget.rows, capacity, device, compile=compile, asked=cfg.compile is not None, line=line)
+
+
+def build_rows(model, num_rows: int, capacity: int, device: torch.device, *, compile: bool, asked: bool, line):
+    """make_rows, compiled if `compile`. A compiler failure (some architecture's layer that torch.compile
+    cannot trace) is not the user's mistake: when compiling was only the default, generation goes on with
+    eager steps and says so; when the user asked for it (`asked`), one clear line names the failure."""
+    if not compile:
+        return make_rows(model, num_rows, capacity, device)
+    line.say("compiling the decode step's layers before its graphs are captured (~15 s)")
+    try:
+        return make_rows(model, num_rows, capacity, device, compile=True)
+    except (DFlashError, torch.OutOfMemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        why = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+        if asked:
+            raise DFlashError(f"dflash generate --compile: compiling the decode step failed ({why}); "
+                              "run with --no-compile") from e
+        line.say(f"compiling the decode step failed ({why}); generating with eager steps (--no-compile)")
+        torch._dynamo.reset()
+        return make_rows(model, num_rows, capacity, device)
 
 
 class RunnerRows:
@@ -193,11 +216,16 @@ class RunnerRows:
         self.runner = DecodingRunner(model, rows=num_rows, max_len=capacity, prefill_chunk=PREFILL_CHUNK,
                                      split_decode=True, compile=compile)
         self.num_rows, self.capacity, self.device = num_rows, capacity, self.runner.device
-        self.io = self.runner.inputs(1)
-        if self.runner.graphs:
-            # Every step graph (one per slot bucket) captured now, while no row holds a sequence: none is
-            # captured mid-run, and capture's temporaries are taken before the rows' memory is in use.
-            self.runner.prepare((1,))
+        self.compiled = compile
+        try:
+            self.io = self.runner.inputs(1)
+            if self.runner.graphs:
+                # Every step graph (one per slot bucket) captured now, while no row holds a sequence: none is
+                # captured mid-run, and capture's temporaries are taken before the rows' memory is in use.
+                self.runner.prepare((1,))
+        except BaseException:
+            self.runner.close()   # the model gets its own attention back before the caller retries or stops
+            raise
         self.head = Target(model).logits   # the LM head with the target's logit scale and soft-capping
 
     def reset_row(self, row: int) -> None:

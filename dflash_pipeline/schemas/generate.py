@@ -85,8 +85,9 @@ class GenerateConfig:
     dtype: str = "auto"                  # auto: bf16 on GPUs, fp32 on CPUs
     device: str = "auto"
     num_procs: int | None = None         # CPU only: worker processes (tests of the multi-process path)
-    compile: bool = False                # torch.compile the decode step's layers before capture (fused
-                                         # elementwise kernels; not an output setting: a re-run may change it)
+    compile: bool | None = None          # torch.compile the decode step's layers before capture (fused
+                                         # elementwise kernels); None: on CUDA only. Not an output setting:
+                                         # a re-run may change it
     quiet: bool = False
 
     def __post_init__(self) -> None:
