@@ -44,7 +44,8 @@ def test_graphed_engine_equals_greedy_generate_of_each_prompt(kind, compile):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="measures CUDA memory")
-def test_peak_memory_stays_within_the_plan():
+@pytest.mark.parametrize("compile", [False, True])   # compiled: the default on CUDA
+def test_peak_memory_stays_within_the_plan(compile):
     import transformers as tf
 
     cfg = tf.Qwen3Config(vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -56,7 +57,7 @@ def test_peak_memory_stays_within_the_plan():
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    rows = make_rows(model, rows_n, capacity, torch.device("cuda"))
+    rows = make_rows(model, rows_n, capacity, torch.device("cuda"), compile=compile)
     g = torch.Generator().manual_seed(0)
     # Prompts that nearly fill a row, so that prefills run at their largest and steps attend to every slot.
     reqs = [Request(i, torch.randint(0, 49152, (capacity - 24,), generator=g).tolist(), i, 16, "length")
