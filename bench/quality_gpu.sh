@@ -13,7 +13,8 @@
 #                                 without carrying .bench_assets, which would pass the 64 MiB with .m1)
 #   bench/quality_gpu.sh smoke    every part, tiny, on this CPU (checks the script before GPU time)
 # On the GPU machine (each call's command; the next call within 30 s of the previous answer):
-#   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup
+#   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup   (over 64 MiB, e.g. with the ~23 MB
+#           inputs of `--turns all --n 16000`: carry .m1 .whl, then .qinputs in a second `setup` call)
 #   call 2  carry .m2        bash bench/quality_gpu.sh run data stores
 #   call 3                   bash bench/quality_gpu.sh run recipes
 #   call 4                   bash bench/quality_gpu.sh run variants curve
@@ -56,12 +57,17 @@ smoke)
   PYTHONPATH=$site:$PWD $py bench/quality.py inputs data stores recipes variants curve specforge online summary \
     --root "${SMOKE_ROOT:-/tmp/dflash-quality-smoke}" --smoke ${Q_ARGS:-} ;;
 setup)
-  mkdir -p $root && cp .m1/p0 $keep/ && tar xzf .qinputs/inputs.tgz -C $root || exit 1
+  # Restores whatever this call carries, so that a carry over the 64 MiB can be split over calls (e.g. the
+  # larger inputs of `--turns all`: call 1 `.m1 .whl`, call 2 `.qinputs`, both `setup`; then `run` with .m2).
+  mkdir -p $root
+  [ -d .m1 ] || [ -d .qinputs ] || [ -d .whl ] || { echo "setup: carry .m1, .whl and/or .qinputs"; exit 1; }
+  if [ -f .m1/p0 ]; then cp .m1/p0 $keep/ || exit 1; fi
+  if [ -f .qinputs/inputs.tgz ]; then tar xzf .qinputs/inputs.tgz -C $root && echo "inputs restored" || exit 1; fi
   # the regenerated conversations of an earlier session (its $OUT/regen-data.tgz, copied into .qinputs/):
   # part `data` then skips generation (it refuses them if they were made with other settings)
   if [ -f .qinputs/regen-data.tgz ]; then tar xzf .qinputs/regen-data.tgz -C $root && echo "regenerated data restored"; fi
   if [ -f .qinputs/tokenizer.tgz ]; then tar xzf .qinputs/tokenizer.tgz -C $keep && echo "TOKENIZER=$keep/tokenizer"; fi
-  $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1
+  if [ -d .whl ]; then $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1; fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
   ls $keep ;;
 run)
