@@ -5,9 +5,9 @@
 #
 #   bench/gpu_all.sh OUTDIR [PART ...]
 #   PART: cuda-tests extract train-store eval decode generate codecs train-step replica ddp disk attention
-#         tree tree-eval extract-hybrid eval-check profile-decode profile-generate decode-attention tie-rule (default: all but
+#         tree tree-eval extract-hybrid eval-check profile-decode profile-generate decode-attention tie-rule gemv (default: all but
 #         replica, ddp, disk, attention, tree, tree-eval, extract-hybrid, eval-check, profile-decode, profile-generate,
-#         decode-attention and tie-rule, in that order)
+#         decode-attention, tie-rule and gemv, in that order)
 #   env:  GPUS (default 1)  WORK (default /tmp/dflash-bench)  TOKENIZER (default .bench_assets/tokenizer)
 #         PYTHON (default python3)  TOKENS (extract benchmark tokens, default 400000)
 #         CODECS (default bf16,fp8)  STORE_DIR (where the stores go, default WORK; /dev/shm: no disk)
@@ -116,6 +116,10 @@ for p in $parts; do
   decode-attention)
     # The decode step's attention alone (SDPA as now, written-out math, FlexAttention), graphed, per shape.
     part decode-attention 180 "$py" bench/decode_attention.py --json "$out/decode-attention.json" "${smoke[@]}" ;;
+  gemv)
+    # The decode step's matrix products alone (Qwen3-8B shape, 1/16/128 rows), separate and fused q|k|v,
+    # gate|up, against a plain copy's and read's bandwidth: how near the bound the products can come.
+    part gemv 120 "$py" bench/gemv.py --json "$out/gemv.json" "${smoke[@]}" ;;
   attention)
     # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
     part attention 120 "$py" bench/attention.py --json "$out/attention.json" "${smoke[@]}" ;;

@@ -1,0 +1,131 @@
+"""The decode step's matrix products alone: how near the memory-bandwidth bound they can come.
+
+`bench/profile_decode.py` put the GEMMs of a graphed Qwen3-8B-shaped decode step at 4.69 ms for 15.1 GB of
+weights (3.2 TB/s, 1.49x the bound at the H200's 4.8 TB/s datasheet figure), so the issue's goal for the
+whole step (1.3x) is missed by the products alone. This times, inside one CUDA graph, every product of
+the 36 layers and the LM head at the Qwen3-8B shape, for the rows of a decode step (1), a block-16 verify
+(16) and `dflash generate`'s step (128), in two layouts over the same weight memory:
+
+  separate  seven products per layer, as transformers' modules run them: q, k, v, o, gate, up, down
+  fused     four: q|k|v and gate|up as one product each (their weights are one buffer per layer, of which
+            the separate layout's weights are row views: fusing needs no second copy of the weights)
+
+and, for the ceiling the memory system sets, a plain device-to-device copy and a plain read (a sum) of
+2 GiB. Reported: ms, TB/s (weight bytes / time) and the ratio to the datasheet bound per layout.
+
+    python bench/gemv.py [--json OUT]     # the GPU
+    python bench/gemv.py --smoke          # tiny, CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import save_json  # noqa: E402
+from eval import DEVICE, HBM_BYTES_S, QWEN3_8B, SMOKE_QWEN, median_ms  # noqa: E402
+
+
+def layer_weights(shape: dict, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """Per layer: the fused buffers (qkv [q+2kv, H], gate_up [2I, H]) and o, down."""
+    H, I, L = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    D = shape.get("head_dim") or H // shape["num_attention_heads"]
+    nq, nkv = shape["num_attention_heads"] * D, shape["num_key_value_heads"] * D
+    out = []
+    for _ in range(L):
+        w = {"qkv": torch.empty(nq + 2 * nkv, H), "o": torch.empty(H, nq), "gate_up": torch.empty(2 * I, H),
+             "down": torch.empty(H, I)}
+        out.append({k: v.to(DEVICE, dtype).normal_(0, 0.02) for k, v in w.items()})
+    for w in out:
+        w["splits"] = (nq, nkv, nkv, I)
+    return out
+
+
+def products(layers, head: torch.Tensor, x: torch.Tensor, fused: bool):
+    """One step's products, the activations fed from fixed inputs (the products are what is timed)."""
+    def fn():
+        for w in layers:
+            nq, nkv, _, I = w["splits"]
+            if fused:
+                qkv = F.linear(x, w["qkv"])
+                a = F.linear(qkv[:, :nq], w["o"])
+                gu = F.linear(a, w["gate_up"])
+                F.linear(gu[:, :I], w["down"])
+            else:
+                q_w, k_w, v_w = w["qkv"].split([nq, nkv, nkv])  # row views of the fused buffer
+                g_w, u_w = w["gate_up"].split([I, I])
+                q, _, _ = F.linear(x, q_w), F.linear(x, k_w), F.linear(x, v_w)
+                a = F.linear(q, w["o"])
+                g, _ = F.linear(a, g_w), F.linear(a, u_w)
+                F.linear(g, w["down"])
+        F.linear(x, head)
+    return fn
+
+
+def graphed(fn):
+    """fn captured once into a CUDA graph (the step as the runner replays it); fn itself on the CPU."""
+    if DEVICE != "cuda":
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up: cuBLAS picks its kernels and workspace outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,16,128")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    a = ap.parse_args()
+    shape = SMOKE_QWEN if a.smoke else QWEN3_8B
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    iters = 3 if a.smoke else a.iters
+    torch.manual_seed(0)
+    layers = layer_weights(shape, dtype)
+    head = torch.empty(shape["vocab_size"], shape["hidden_size"], device=DEVICE, dtype=dtype).normal_(0, 0.02)
+    weight_bytes = head.numel() * head.element_size() + sum(
+        t.numel() * t.element_size() for w in layers for k, t in w.items() if k != "splits")
+    bound_ms = weight_bytes / HBM_BYTES_S * 1e3
+    res = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+           "shape": "smoke" if a.smoke else "qwen3-8b", "weight_bytes": weight_bytes, "bound_ms": bound_ms, "rows": {}}
+    print(f"{res['device']}: {weight_bytes / 1e9:.2f} GB of weights, bound {bound_ms:.3f} ms at 4.8 TB/s", flush=True)
+
+    n = (1 << 30) if not a.smoke else (1 << 16)  # elements: 2 GiB of bf16
+    src, dst = torch.empty(n, device=DEVICE, dtype=dtype).normal_(), torch.empty(n, device=DEVICE, dtype=dtype)
+    nbytes = n * src.element_size()
+    copy_ms = median_ms(graphed(lambda: dst.copy_(src)), iters)
+    read_ms = median_ms(graphed(lambda: src.sum(dtype=torch.float32)), iters)
+    res["copy_tb_s"] = 2 * nbytes / copy_ms / 1e9
+    res["read_tb_s"] = nbytes / read_ms / 1e9
+    print(f"copy {res['copy_tb_s']:.2f} TB/s (read + write), read {res['read_tb_s']:.2f} TB/s", flush=True)
+    del src, dst
+
+    for R in (int(r) for r in a.rows.split(",")):
+        x = torch.randn(R, shape["hidden_size"], device=DEVICE, dtype=dtype)
+        row = {}
+        for name, fused in (("separate", False), ("fused", True)):
+            ms = median_ms(graphed(products(layers, head, x, fused)), iters)
+            row[name] = {"ms": ms, "tb_s": weight_bytes / ms / 1e9, "x_bound": ms / bound_ms}
+            print(f"rows {R:4d} {name:9s} {ms:7.3f} ms  {row[name]['tb_s']:.2f} TB/s  {ms / bound_ms:.2f}x the bound",
+                  flush=True)
+        row["fused_speedup"] = row["separate"]["ms"] / row["fused"]["ms"]
+        res["rows"][str(R)] = row
+    save_json(a.json, res)
+
+
+if __name__ == "__main__":
+    main()
