@@ -135,6 +135,9 @@ SMOKE = Plan(n=12, max_prompt_tokens=200, max_new_tokens=16, max_length=256, ste
              segment_tokens=1024, device_args=("--device", "cpu"))
 
 # The ablation, each on the regenerated bf16 store with the same steps. Cumulative, in the issue's order.
+# Every term is passed, so a recipe means the same whatever `dflash train`'s defaults are (kl15-cap-noise's
+# since 2026-12-03, when it beat `ce` on every eval set at 1,500 steps).
+RECIPE_BASE: dict[str, Any] = {"kl_weight": 0.0, "cap_weight": 0.0, "feature_noise": 0.0}
 RECIPES: dict[str, dict[str, Any]] = {
     "ce": {},                                               # CE with position decay (gamma 7), block 16
     "kl15": {"kl_weight": 0.15},                            # + KL to the stored top-k, the seed run's weight
@@ -249,7 +252,8 @@ class Bench:
         """A recipe's `dflash train` options, as keyword values (placeholders filled from the plan)."""
         fill = {"NOISE": self.plan.feature_noise, "WINDOW": self.plan.sliding_window,
                 "ALL_BUT_LAST": ",".join(str(i) for i in range(self.plan.num_layers - 1))}
-        return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in RECIPES[recipe].items()}
+        recipe_kw = {**RECIPE_BASE, **RECIPES[recipe]}
+        return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in recipe_kw.items()}
 
     def train_args(self, recipe: str, steps: int) -> list[str]:
         p = self.plan

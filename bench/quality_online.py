@@ -90,7 +90,8 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
     t = time.time()
     model = load_target(resolve_target(target), dtype, dev)
     load_s = time.time() - t
-    topk = reader.meta.topk if cfg.loss.kl_weight > 0 else 0
+    kl_weight = cfg.loss.kl_for(reader.meta.topk)
+    topk = reader.meta.topk if kl_weight > 0 else 0
     runner = TargetRunner(model, dcfg.target_layer_ids, topk=topk)
     ft = runner.frozen_tensors()
     frozen = Frozen(ft["embed"].to(dtype), ft.get("lm_head", ft["embed"]).to(dtype), embedding_scale(model))
@@ -150,7 +151,7 @@ def _time_mode(mode, cfg, reader, dcfg, frozen, runner, topk, dev, warmup, steps
             opt.zero_grad(set_to_none=True)
             anchors = draw_anchors(batch, loss.max_anchors, step_generator(cfg.seed, 0, step), model.block_size)
             res = run_blocks(drafter, frozen, batch, anchors, block_size=model.block_size,
-                             mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=loss.kl_weight,
+                             mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.loss.kl_for(reader.meta.topk),
                              cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
                              loss_chunk=cfg.runtime.loss_chunk,
                              g=step_generator(cfg.seed, 0, step, dev, NOISE_STREAM), autocast=cuda)

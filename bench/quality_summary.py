@@ -85,13 +85,14 @@ def run_row(b, name: str) -> dict[str, Any]:
 
 
 def _recipe_rows(b, names: list[str]) -> list[list[Any]]:
-    from quality import RECIPES
+    from quality import RECIPE_BASE, RECIPES
 
     out = []
     for n in names:
         r = run_row(b, n)
         if n in RECIPES:
-            settings = ", ".join(f"{k}={v}" for k, v in b.recipe_args(n).items()) or "CE, gamma 7"
+            given = {k: v for k, v in b.recipe_args(n).items() if v != RECIPE_BASE.get(k)}  # the terms it adds
+            settings = ", ".join(f"{k}={v}" for k, v in given.items()) or "CE, gamma 7"
         else:
             settings = f"store {r.get('store', '-')}"
         out.append([n, settings, _f(r.get("acc1"), ".3f"), _f(r.get("tau_est")),

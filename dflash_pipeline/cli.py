@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from dflash_pipeline.method import gamma_table_text
+from dflash_pipeline.method import DEFAULT_CAP_WEIGHT, DEFAULT_FEATURE_NOISE, DEFAULT_KL_WEIGHT, gamma_table_text
 
 # Tokenization runs in our own worker processes; the tokenizers library's thread pool on top of that
 # only slows it down (and warns after a fork).
@@ -212,9 +212,9 @@ def train(
     block_size: int = typer.Option(16, "--block-size", help="Tokens drafted per block (anchor + masks)."),
     max_anchors: int = typer.Option(512, "--max-anchors", help="Anchors (blocks) per sample per step."),
     gamma: Optional[float] = typer.Option(None, "--gamma", help=f"Loss decay exp(-(k-1)/gamma); default by block size B: {gamma_table_text()}."),
-    kl_weight: float = typer.Option(0.0, "--kl-weight", help="Share of forward KL to the stored teacher top-k, blended with CE."),
-    cap_weight: float = typer.Option(0.0, "--cap-weight", help="Weight of CAP (entropy minimisation on already-correct slots)."),
-    feature_noise: float = typer.Option(0.0, "--feature-noise", help="Uniform noise U(-s, s) added to the target features."),
+    kl_weight: Optional[float] = typer.Option(None, "--kl-weight", help=f"Share of forward KL to the stored teacher top-k, blended with CE (default {DEFAULT_KL_WEIGHT}; 0 on a store without top-k)."),
+    cap_weight: float = typer.Option(DEFAULT_CAP_WEIGHT, "--cap-weight", help="Weight of CAP (entropy minimisation on already-correct slots); 0: none."),
+    feature_noise: float = typer.Option(DEFAULT_FEATURE_NOISE, "--feature-noise", help="Uniform noise U(-s, s) added to the target features (absolute); 0: none."),
     sliding_window: Optional[int] = typer.Option(None, "--sliding-window", help="Window of the sliding-attention layers."),
     swa_layers: Optional[str] = typer.Option(None, "--swa-layers", help="Drafter layers with sliding-window attention, e.g. 0,1,2,3."),
     tokens_per_batch: int = typer.Option(12288, "--tokens-per-batch", help="Tokens per micro-batch (rows of --max-length)."),

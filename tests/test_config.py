@@ -68,3 +68,13 @@ def test_resume_compares_the_computation_not_the_runtime():
     assert _cfg(steps=10, lr=3e-3, seed=1).resume_diff(saved) == ["seed: checkpoint has 0, this run has 1"]
     diff = _cfg(steps=10, lr=3e-3, store="t", block_size=8, max_anchors=64).resume_diff(saved)
     assert [d.split(":")[0] for d in diff] == ["block_size", "max_anchors", "store"]
+
+
+def test_loss_defaults_resolve_the_kl_weight_from_the_store():
+    loss = LossConfig()
+    assert (loss.cap_weight, loss.feature_noise) == (0.1, 0.2)
+    assert loss.kl_for(32) == 0.15 and loss.kl_for(0) == 0.0      # no top-k stored: no KL by default
+    assert LossConfig(kl_weight=0.0).kl_for(32) == 0.0 and LossConfig(kl_weight=0.4).kl_for(0) == 0.4
+    # the unresolved default round-trips, so a resumed run compares like with like
+    assert TrainConfig.from_dict(_cfg().to_dict()).loss.kl_weight is None
+

@@ -352,6 +352,10 @@ def test_tree_evals_reach_eval_train_and_the_summary(tmp_path):
     assert alone[alone.index("--tree-budget") + 1] == "0,16,64"
     train = b.train_args("ce", 4)
     assert train[train.index("--eval-tree-budget") + 1] == "16,64"
+    # every recipe names each loss term, so `ce` stays CE alone whatever `dflash train`'s defaults are
+    assert [train[train.index(f"--{k}") + 1] for k in ("kl-weight", "cap-weight", "feature-noise")] == ["0.0"] * 3
+    best = b.train_args("kl15-cap-noise", 4)
+    assert [best[best.index(f"--{k}") + 1] for k in ("kl-weight", "cap-weight", "feature-noise")] == ["0.15", "0.1", "0.2"]
     assert "--tree-budget" not in quality.Bench(str(tmp_path / "x"), None, quality.SMOKE, smoke=True).eval_jobs("ce")[0].cmd
 
     d = b.run_dir("ce")

@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_pipeline.method import GAMMA_BY_BLOCK_SIZE, gamma_table_text
+from dflash_pipeline.method import (DEFAULT_CAP_WEIGHT, DEFAULT_FEATURE_NOISE, DEFAULT_KL_WEIGHT, GAMMA_BY_BLOCK_SIZE,
+                                    gamma_table_text)
 from dflash_pipeline.schemas.chat_template import parse_chat_template_kwargs
 
 CODEC_NAMES = ("bf16", "fp8")
@@ -105,6 +106,7 @@ class ModelConfig:
             raise ValueError(f"--swa-layers {self.swa_layers} outside the drafter's {self.num_layers} layers")
 
 
+
 @dataclass
 class LossConfig:
     """Anchors and the loss. Each term is a weighted sum over labelled block slots divided by the sum
@@ -112,17 +114,23 @@ class LossConfig:
 
     max_anchors: int = 512               # per sample per step
     gamma: float | None = None           # None: the published value for the block size (method.py)
-    kl_weight: float = 0.0
-    cap_weight: float = 0.0
-    feature_noise: float = 0.0
+    kl_weight: float | None = None       # None: DEFAULT_KL_WEIGHT where the store keeps a top-k, else 0
+    cap_weight: float = DEFAULT_CAP_WEIGHT
+    feature_noise: float = DEFAULT_FEATURE_NOISE
 
     def __post_init__(self) -> None:
         if self.max_anchors < 1:
             raise ValueError("--max-anchors must be >= 1")
-        if not 0 <= self.kl_weight <= 1:
+        if self.kl_weight is not None and not 0 <= self.kl_weight <= 1:
             raise ValueError("--kl-weight must be in [0, 1] (the KL share of the CE/KL blend)")
         if self.cap_weight < 0 or self.feature_noise < 0:
             raise ValueError("--cap-weight and --feature-noise must be >= 0")
+
+    def kl_for(self, store_topk: int) -> float:
+        """The KL weight a run on a store keeping `store_topk` teacher log-probabilities per token uses."""
+        if self.kl_weight is not None:
+            return self.kl_weight
+        return DEFAULT_KL_WEIGHT if store_topk > 0 else 0.0
 
 
 @dataclass

@@ -56,7 +56,7 @@ def check_store_fits(cfg: TrainConfig, reader: StoreReader) -> None:
         # that looks fine and fails at serving time.
         raise DFlashError(f"{cfg.data.store}: layer ids use the convention '{reader.meta.layer_convention}', this "
                           f"trainer and the DFlash export use '{LAYER_CONVENTION}' (HF hidden_states[k+1])")
-    if cfg.loss.kl_weight > 0 and reader.meta.topk == 0:
+    if cfg.loss.kl_for(reader.meta.topk) > 0 and reader.meta.topk == 0:
         raise DFlashError(f"{cfg.data.store}: --kl-weight needs the teacher's top-k, and this store has none "
                           "(extracted with --topk 0)")
     if not reader.kv.exists("target/zarr.json"):

@@ -97,6 +97,7 @@ class Trainer:
                       f"layers {r.meta.layer_ids}, codec {r.meta.codec}")
         self.dcfg = drafter_config_for(cfg.model, self.reader)
         self.gamma = cfg.loss.gamma if cfg.loss.gamma is not None else default_gamma(cfg.model.block_size)
+        self.kl_weight = cfg.loss.kl_for(self.reader.meta.topk)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
         self.model, self.ddp = self._build_model()
@@ -229,7 +230,7 @@ class Trainer:
             sync = world == 1 or i == len(batches) - 1   # gradients are all-reduced once, with the last
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 out = run_blocks(self.ddp, self.frozen, b, anchors, block_size=cfg.model.block_size,
-                                 mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma, kl_weight=loss.kl_weight,
+                                 mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma, kl_weight=self.kl_weight,
                                  cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
                                  loss_chunk=cfg.runtime.loss_chunk, g=g_noise, autocast=self.autocast)
                 (out.loss / len(batches)).backward()
@@ -276,7 +277,8 @@ class Trainer:
         if proc.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps({
-                "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "world_size": proc.world,
+                "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "kl_weight": self.kl_weight,
+                "world_size": proc.world,
                 "steps_total": self.total, "steps_per_epoch": self.per_epoch,
                 "store": {"url": cfg.data.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
                 "tool_version": __version__}, indent=1))
