@@ -159,9 +159,10 @@ def decode_bound_ms(model, slots: int) -> tuple[float, float]:
 
 
 def bench_steps(model, shape: dict, context: int, block: int, iters: int, hf_tokens: int,
-                compile: bool = False) -> dict:
+                compile: bool = False, fuse: bool = True) -> dict:
     """Graphed decode / verify / drafter step times of one target shape, against the decode bound;
-    compile: the steps' forward through torch.compile before capture (fused elementwise kernels)."""
+    compile: the steps' forward through torch.compile before capture (fused elementwise kernels);
+    fuse: the runner's fused q|k|v and gate|up products (False: transformers' seven per layer)."""
     from dflash_pipeline.decoding.drafter import StaticDrafter
     from dflash_pipeline.decoding.runner import DecodingRunner
     from dflash_pipeline.eval.models import Target
@@ -171,7 +172,8 @@ def bench_steps(model, shape: dict, context: int, block: int, iters: int, hf_tok
     hf = hf_ms_per_token(model, [prompt[:128]], hf_tokens) if hf_tokens else None
     drafter, dcfg = random_drafter(shape, 5, block, L)
     head = Target(model)  # the frozen embedding and LM head the drafter borrows
-    runner = DecodingRunner(model, max_len=context + block, layer_ids=dcfg.target_layer_ids, compile=compile)
+    runner = DecodingRunner(model, max_len=context + block, layer_ids=dcfg.target_layer_ids, compile=compile,
+                            fuse=fuse)
     runner.prefill(0, prompt)
 
     def step(q: int) -> None:
@@ -191,8 +193,8 @@ def bench_steps(model, shape: dict, context: int, block: int, iters: int, hf_tok
     bound, bound_kv = decode_bound_ms(model, attended)
     runner.close()
     return {
-        "compiled": compile, "drafter_first_call_s": capture_s, "context": context, "block": block,
-        "attended_slots": attended,
+        "compiled": compile, "fused_layers": runner.fused_layers, "drafter_first_call_s": capture_s,
+        "context": context, "block": block, "attended_slots": attended,
         "decode_ms": decode, "verify_ms": verify, "drafter_ms": draft,
         "decode_bound_ms": bound, "decode_bound_with_kv_ms": bound_kv,
         "decode_over_bound": decode / bound, "verify_over_decode": verify / decode,
@@ -280,7 +282,8 @@ def table(out: dict) -> list[str]:
                      f"{s['decode_bound_ms']:.2f} ms ({s['decode_over_bound']:.2f}x, goal <= 1.3; with K/V "
                      f"{s['decode_bound_with_kv_ms']:.2f} ms); verify-{s['block']} {s['verify_ms']:.2f} ms "
                      f"({s['verify_over_decode']:.2f}x decode, goal <= 1.2); drafter {s['drafter_ms']:.2f} ms; "
-                     f"transformers generate {s['hf_generate_ms_per_token']:.1f} ms/token")
+                     f"transformers generate {s['hf_generate_ms_per_token']:.1f} ms/token; q|k|v and gate|up "
+                     f"fused in {s.get('fused_layers', 0)} layers")
         lines.append("  speedup from step times: " + ", ".join(
             f"tau {t} -> {v:.2f}x" for t, v in s["speedup_at_tau"].items()))
     if "steps_compiled" in out:
@@ -315,6 +318,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    ap.add_argument("--no-fuse", action="store_true", help="steps: transformers' separate q, k, v, gate and up "
+                    "products instead of the runner's fused ones")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.work, exist_ok=True)
@@ -344,13 +349,15 @@ def main() -> None:
     qwen_model = None
     if "steps" not in skip:
         qwen_model = random_target(qwen, "qwen3")
-        done("steps", bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=4 if args.smoke else 16))
+        done("steps", bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=4 if args.smoke else 16,
+                                  fuse=not args.no_fuse))
     if "e2e" not in skip:
         done("e2e", bench_e2e(args.work, args.tokenizer, smol, args.prompts, args.new_tokens, 16, args.target))
     if "compiled" not in skip:  # last: compiling takes minutes, the other parts are safe by then
         try:  # the same steps with the elementwise chains fused by torch.compile
             qwen_model = qwen_model or random_target(qwen, "qwen3")
-            result = bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=0, compile=True)
+            result = bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=0, compile=True,
+                                 fuse=not args.no_fuse)
         except Exception as e:  # report it in the table instead of losing the run
             result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         done("steps_compiled", result)

@@ -9,6 +9,7 @@ attention.py  our transformers attention function: static K/V buffers per layer,
               RoPE positions and an explicit in-block mask (chains, trees), GQA without repeated K/V
 sampling.py   the target's decoding rule (argmax, or a draw of softmax(logits / T)), used by every decoder
 graphs.py     capture-once/replay steps (eager on the CPU) and per-step timers (CUDA events)
+fused.py      q|k|v and gate|up as one matrix product each, over one buffer that the separate weights view
 runner.py     DecodingRunner: rows of independent sequences over one target (prefill a row, step all
               rows, commit or roll back a row's length, compact a tree path, layer features)
 drafter.py    StaticDrafter: the DFlash drafter's block step over a static context cache
