@@ -106,7 +106,6 @@ class ModelConfig:
             raise ValueError(f"--swa-layers {self.swa_layers} outside the drafter's {self.num_layers} layers")
 
 
-
 @dataclass
 class LossConfig:
     """Anchors and the loss. Each term is a weighted sum over labelled block slots divided by the sum
