@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dflash_pipeline.decoding.fused import fuse_projections
+from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.decoding.runner import DecodingRunner
 from dflash_pipeline.extract.target import decoder_layers
 from decoding_helpers import hf_greedy, tiny_causal_lm as tiny
@@ -161,3 +162,17 @@ def test_layers_that_are_not_plain_linear_modules_are_left_alone():
     assert type(layers[1].self_attn.k_proj) is nn.Linear and type(layers[1].mlp.gate_proj) is nn.Linear
     assert type(layers[2].self_attn.q_proj) is nn.Linear and type(layers[2].mlp.gate_proj) is not nn.Linear
     torch.testing.assert_close(logits(model, PROMPT), want, **EXACT)
+
+
+def test_the_environment_turns_fusing_off(monkeypatch):
+    model = tiny("llama", seed=4)
+    monkeypatch.setenv("DFLASH_FUSE_PROJECTIONS", "0")
+    with DecodingRunner(model, max_len=48, graphs=False) as runner:
+        assert runner.fused_layers == 0 and type(decoder_layers(model)[0].self_attn.q_proj) is nn.Linear
+    monkeypatch.setenv("DFLASH_FUSE_PROJECTIONS", "yes")
+    with pytest.raises(DFlashError, match="DFLASH_FUSE_PROJECTIONS='yes': expected 0 or 1"):
+        DecodingRunner(model, max_len=48, graphs=False)
+    # refused before the model was touched: its own attention, no hooks left behind
+    assert type(decoder_layers(model)[0].self_attn.q_proj) is nn.Linear
+    assert model.config._attn_implementation != "static_kv"
+    assert not any(layer._forward_hooks for layer in decoder_layers(model))

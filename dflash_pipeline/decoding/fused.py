@@ -27,15 +27,27 @@ product reads the fused buffer, not the views); `restore()` gives the flag back.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.target import decoder_layers
 
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+FUSE_ENV = "DFLASH_FUSE_PROJECTIONS"
+
+
+def fuse_from_env() -> bool:
+    """`DFLASH_FUSE_PROJECTIONS=0` runs transformers' separate products (default 1): a way back for a model
+    whose code calls its projections in another order than the fused modules accept."""
+    value = os.environ.get(FUSE_ENV, "1").strip().lower() or "1"
+    if value not in ("0", "1"):
+        raise DFlashError(f"{FUSE_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 class _Pending:
@@ -50,7 +62,7 @@ class _Pending:
         if x is not self.x or name not in self.slices:
             raise RuntimeError(f"{self.where}.{name}: fused projections are called out of order (its slice is "
                                f"taken from the first projection's product on the same input); run the model "
-                               f"unfused (DecodingRunner(fuse=False))")
+                               f"unfused ({FUSE_ENV}=0, or DecodingRunner(fuse=False))")
         out = self.slices.pop(name)
         if not self.slices:
             self.x = None
@@ -168,4 +180,4 @@ def fuse_projections(model) -> FusedProjections:
     return done
 
 
-__all__ = ["FusedProjections", "fuse_projections"]
+__all__ = ["FUSE_ENV", "FusedProjections", "fuse_from_env", "fuse_projections"]

@@ -27,8 +27,8 @@ graph, concatenated in `layer_ids` order.
 Inside a graph a step is still one kernel per operation (about 2,000 for a Qwen3-8B decode step);
 `compile=True` runs the steps' decoder layers through torch.compile before capture, which fuses the
 elementwise chains between the matrix products. The matrix products themselves are fused by default
-(`fuse=True`, decoding/fused.py): q|k|v as one product per layer and gate|up as another, eager and
-compiled alike.
+(decoding/fused.py; `fuse=False` or DFLASH_FUSE_PROJECTIONS=0 turns it off): q|k|v as one product per
+layer and gate|up as another, eager and compiled alike.
 
 Targets whose layers are not all attention layers (recurrent / linear-attention hybrids, chunked
 attention) are refused by `unsupported_reason`; callers fall back to the eager path for them.
@@ -47,7 +47,7 @@ import torch
 
 from dflash_pipeline.decoding.attention import (STATIC_ATTENTION, StaticKV, StepState, active, active_state,
                                                 kernels_label, register)
-from dflash_pipeline.decoding.fused import fuse_projections
+from dflash_pipeline.decoding.fused import fuse_from_env, fuse_projections
 from dflash_pipeline.decoding.graphs import GraphedStep, new_pool
 from dflash_pipeline.extract.target import decoder_layers, text_config
 
@@ -100,10 +100,11 @@ class DecodingRunner:
 
     def __init__(self, model, *, rows: int = 1, max_len: int, layer_ids: Sequence[int] = (),
                  graphs: bool | None = None, prefill_chunk: int = 512, compile: bool = False,
-                 split_decode: bool = False, fuse: bool = True):
+                 split_decode: bool = False, fuse: bool | None = None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"static-cache runner: {reason}")
+        fuse = fuse_from_env() if fuse is None else fuse  # before the model is touched: a bad value changes nothing
         register()
         cfg = text_config(model.config)
         emb = model.get_input_embeddings().weight
@@ -147,7 +148,8 @@ class DecodingRunner:
         self._io: dict[int, StepIO] = {}
         self._steps: dict[tuple[int, int], GraphedStep] = {}  # (q, attended slots)
         # fuse: q|k|v and gate|up as one product each; the small k and v products ran far below the memory
-        # bandwidth (36 Qwen3-8B layers + head, bf16, H200: 4.87 -> 4.19 ms at batch 1; bench/gemv.py)
+        # bandwidth (36 Qwen3-8B layers + head, bf16, H200: 4.87 -> 4.19 ms at batch 1; bench/gemv.py).
+        # None: DFLASH_FUSE_PROJECTIONS (default on)
         self._fused = fuse_projections(model) if fuse else None
 
     def _hook(self, i: int):
