@@ -49,23 +49,24 @@ def layer_weights(shape: dict, dtype: torch.dtype) -> list[dict[str, torch.Tenso
 
 
 def products(layers, head: torch.Tensor, x: torch.Tensor, fused: bool):
-    """One step's products, the activations fed from fixed inputs (the products are what is timed)."""
-    def fn():
+    """One step's products, each layer's fed from the same input x (the products are what is timed); fn()
+    returns every product's output, in the same order for both layouts."""
+    def fn() -> list[torch.Tensor]:
+        out = []
         for w in layers:
             nq, nkv, _, I = w["splits"]
             if fused:
-                qkv = F.linear(x, w["qkv"])
-                a = F.linear(qkv[:, :nq], w["o"])
-                gu = F.linear(a, w["gate_up"])
-                F.linear(gu[:, :I], w["down"])
+                q, k, v = F.linear(x, w["qkv"]).split([nq, nkv, nkv], dim=-1)
+                a = F.linear(q, w["o"])
+                g, u = F.linear(a, w["gate_up"]).split([I, I], dim=-1)
             else:
                 q_w, k_w, v_w = w["qkv"].split([nq, nkv, nkv])  # row views of the fused buffer
                 g_w, u_w = w["gate_up"].split([I, I])
-                q, _, _ = F.linear(x, q_w), F.linear(x, k_w), F.linear(x, v_w)
+                q, k, v = F.linear(x, q_w), F.linear(x, k_w), F.linear(x, v_w)
                 a = F.linear(q, w["o"])
-                g, _ = F.linear(a, g_w), F.linear(a, u_w)
-                F.linear(g, w["down"])
-        F.linear(x, head)
+                g, u = F.linear(a, g_w), F.linear(a, u_w)
+            out += [q, k, v, a, g, u, F.linear(g, w["down"])]
+        return out + [F.linear(x, head)]
     return fn
 
 

@@ -10,7 +10,9 @@ whose projections are not plain nn.Linear modules is left alone.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.decoding.runner import DecodingRunner
 from dflash_pipeline.extract.target import decoder_layers
 from decoding_helpers import hf_greedy, tiny_causal_lm as tiny
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # bench/gemv.py
 
 KINDS = ["llama", "qwen3", "gemma3", "gemma2"]
 PROMPT = [5, 17, 3, 44, 9, 12, 80, 1, 33]
@@ -176,3 +180,19 @@ def test_the_environment_turns_fusing_off(monkeypatch):
     assert type(decoder_layers(model)[0].self_attn.q_proj) is nn.Linear
     assert model.config._attn_implementation != "static_kv"
     assert not any(layer._forward_hooks for layer in decoder_layers(model))
+
+
+def test_the_products_benchmark_times_the_same_products_over_the_same_memory():
+    """bench/gemv.py's two layouts compute the same products, the separate one from row views of the fused
+    buffers: its ratio is the fusion's alone, not a different amount of work or memory."""
+    import gemv
+
+    layers = gemv.layer_weights(gemv.SMOKE_QWEN, torch.float32)
+    head = torch.randn(gemv.SMOKE_QWEN["vocab_size"], gemv.SMOKE_QWEN["hidden_size"])
+    x = torch.randn(3, gemv.SMOKE_QWEN["hidden_size"])
+    separate, fused = gemv.products(layers, head, x, False)(), gemv.products(layers, head, x, True)()
+    assert len(separate) == len(fused) == 7 * len(layers) + 1
+    for a, b in zip(separate, fused):
+        torch.testing.assert_close(a, b, **EXACT)
+    q_w = layers[0]["qkv"].split(list(layers[0]["splits"][:3]))[0]
+    assert q_w.untyped_storage().data_ptr() == layers[0]["qkv"].untyped_storage().data_ptr()
