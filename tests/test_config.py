@@ -66,6 +66,9 @@ def test_resume_compares_the_computation_not_the_runtime():
     assert same_math.resume_diff(saved) == []
     assert _cfg(steps=10, lr=1e-3).resume_diff(saved) == ["lr: checkpoint has 0.003, this run has 0.001"]
     assert _cfg(steps=10, lr=3e-3, seed=1).resume_diff(saved) == ["seed: checkpoint has 0, this run has 1"]
+    # a run begun before the loss defaults changed, resumed without the options: the message says what moved
+    older = {**saved, "kl_weight": 0.0}
+    assert _cfg(steps=10, lr=3e-3).resume_diff(older)[0] == "kl_weight: checkpoint has 0.0, this run has the default"
     diff = _cfg(steps=10, lr=3e-3, store="t", block_size=8, max_anchors=64).resume_diff(saved)
     assert [d.split(":")[0] for d in diff] == ["block_size", "max_anchors", "store"]
 

@@ -309,5 +309,8 @@ class TrainConfig:
         checkpoint's flat config), each as one readable clause."""
         now = self.to_dict()
         keys = [k for k in now if k == "seed" or _OWNER[k] in self.COMPUTATION]
-        return [f"{k}: checkpoint has {saved.get(k)!r}, this run has {now.get(k)!r}"
+        def shown(v):  # None is an option left to its default (e.g. --kl-weight, decided by the store)
+            return "the default" if v is None else repr(v)
+
+        return [f"{k}: checkpoint has {shown(saved.get(k))}, this run has {shown(now.get(k))}"
                 for k in keys if saved.get(k) != now.get(k)]
