@@ -78,7 +78,7 @@ class Plan:
     num_layers: int = 5
     max_anchors: int = 512
     eval_fraction: float = 0.02     # held out of each store for the training-time estimate (~200 samples)
-    feature_noise: float = 0.2      # U(-s, s) on features whose RMS is 3 (layer 1) to 27 (layer 27)
+    feature_noise: float = 0.2      # U(-s, s) on features whose RMS is 3.1 (layer 1) to 78 (layers 14-27)
     sliding_window: int = 512       # of the seed configuration's sliding layers (samples <= max_length)
     eval_prompts: int = 24          # held-out chat prompts (the embedded eval split)
     code_prompts: int = 12          # HumanEval prompts

@@ -76,10 +76,13 @@ def _unused_special_token(tokenizer, embedding_rows: int) -> int | None:
 # equal data and steps (the real SmolLM2-135M target, 10,000 regenerated replies, 1,500 steps; BENCHMARKS.md,
 # 2026-12-03): CE with position decay + 15% KL to the stored top-k + CAP 0.1 + uniform feature noise
 # U(-0.2, 0.2) was ahead of CE alone on every eval set (real tau 1.89 / 1.43 / 1.48 against 1.84 / 1.39 /
-# 1.43: chat T=0, chat T=1, code T=0). The noise is absolute: 0.2 was measured on features of RMS 3-27.
+# 1.43: chat T=0, chat T=1, code T=0). The noise is absolute (below).
 DEFAULT_KL_WEIGHT = 0.15
 DEFAULT_CAP_WEIGHT = 0.1
 DEFAULT_FEATURE_NOISE = 0.2
+# ... where it was 0.26% (layers 14-27, RMS 75-78) to 6.5% (layer 1, RMS 3.1) of each stored layer's RMS:
+# `dflash train` reports the ratio on the store it trains from, and warns where a layer's is far above it.
+NOISE_OVER_RMS_MEASURED = (0.0026, 0.065)
 
 
 # -- loss decay along a block ----------------------------------------------------------------------------

@@ -197,6 +197,24 @@ def test_default_recipe_is_the_measured_one(tiny_store, tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if m.get("type") == "train"]
     assert train and all(m["kl"] > 0 and "cap" in m for m in train)
+    # the absolute noise against this store's features: each layer's RMS from the decoded samples themselves
+    reader = StoreReader(tiny_store)
+    sq = sum(reader.read_sample(i, dtype=torch.float32).hidden_TLH.square().sum(0) for i in range(reader.num_samples))
+    rms = (sq.sum(-1) / (reader.num_tokens * reader.meta.target.hidden_size)).sqrt()
+    np.testing.assert_allclose(record["feature_noise_over_rms"], (0.2 / rms).tolist(), rtol=0.02)
+
+
+def test_noise_far_above_its_measured_scale_is_called_out(tiny_store):
+    from dflash_pipeline.train.from_store import noise_scale
+
+    per_unit, _ = noise_scale(1.0, StoreReader(tiny_store))        # 1 / RMS per layer
+    mild, text = noise_scale(0.05 / max(per_unit), StoreReader(tiny_store))
+    assert max(mild) == pytest.approx(0.05) and "of the features' RMS by layer" in text and "warning" not in text
+    strong, text = noise_scale(0.5 / max(per_unit), StoreReader(tiny_store))
+    assert strong == pytest.approx([10 * r for r in mild])
+    assert "warning: the default was measured at 0.3%-6.5%" in text
+    suggested = float(text.split("(--feature-noise ")[1].split()[0])
+    assert max(noise_scale(suggested, StoreReader(tiny_store))[0]) == pytest.approx(0.065, rel=0.01)
 
 
 def test_training_learns(tiny_store, tmp_path):

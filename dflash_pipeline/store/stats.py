@@ -70,6 +70,14 @@ def _feature_sums(commits: dict[int, SegmentCommit], L: int) -> tuple[dict[str, 
     return sums, err, topk_mass
 
 
+def layer_rms(reader: StoreReader, sample: int = 32, seed: int = 0) -> list[float]:
+    """The root mean square of each stored feature layer, from the commit markers of up to `sample`
+    segments (no segment is decoded): the scale that an absolute setting such as `--feature-noise` meets."""
+    commits, _ = _chosen_commits(reader.kv, committed_segments(reader.kv), sample, seed, None)
+    sums, _, _ = _feature_sums(commits, len(reader.meta.layer_ids))
+    return [math.sqrt(sq / n) if n > 0 else 0.0 for sq, n in zip(sums["sumsq"], sums["count"])]
+
+
 def _layer_rows(layer_ids: list[int], sums: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     layers = []
     for j, lid in enumerate(layer_ids):

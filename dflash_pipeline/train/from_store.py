@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 
 from dflash_pipeline.errors import DFlashError
-from dflash_pipeline.method import choose_mask_token_id
+from dflash_pipeline.method import NOISE_OVER_RMS_MEASURED, choose_mask_token_id
 from dflash_pipeline.schemas.config import ModelConfig, TrainConfig
 from dflash_pipeline.schemas.store import LAYER_CONVENTION
 from dflash_pipeline.store.reader import StoreReader
+from dflash_pipeline.store.stats import layer_rms
 from dflash_pipeline.train.model import DrafterConfig
 from dflash_pipeline.train.step import Frozen
 
@@ -66,6 +67,24 @@ def check_store_fits(cfg: TrainConfig, reader: StoreReader) -> None:
         raise DFlashError(f"{cfg.data.store}: the store has no committed samples")
 
 
+def noise_scale(noise: float, reader: StoreReader) -> tuple[list[float | None], str]:
+    """`--feature-noise` is absolute: its amplitude over each stored layer's RMS (None: no statistics), and
+    a line that says it (a warning where a layer's ratio is well above what the default was measured at)."""
+    rms = layer_rms(reader)
+    ratios = [noise / r if r > 0 else None for r in rms]
+    known = [x for x in ratios if x is not None]
+    if not known:
+        return ratios, f"feature noise U(-{noise:g}, {noise:g}): the store's markers hold no feature statistics"
+    lo, hi = NOISE_OVER_RMS_MEASURED
+    seen = [r for r in rms if r > 0]
+    text = (f"feature noise U(-{noise:g}, {noise:g}) is {min(known):.1%}-{max(known):.1%} of the features' RMS "
+            f"by layer ({min(seen):.3g}-{max(seen):.3g})")
+    if max(known) > 3 * hi:
+        text += (f"; warning: the default was measured at {lo:.1%}-{hi:.1%}, so it is strong for this target "
+                 f"(--feature-noise {hi * min(seen):.3g} puts its noisiest layer at {hi:.1%}; 0 turns it off)")
+    return ratios, text
+
+
 def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype) -> Frozen:
     """The target's embedding and LM head (the embedding again when tied), in the compute dtype."""
     embed = reader.target_tensor("embed").to(device=device, dtype=dtype)
@@ -74,4 +93,4 @@ def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype
     return Frozen(embed, head, float(attrs.get("embedding_scale") or 1.0))
 
 
-__all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors"]
+__all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors", "noise_scale"]

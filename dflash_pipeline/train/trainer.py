@@ -35,7 +35,7 @@ from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import LoaderState, store_fingerprint
-from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
+from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors, noise_scale
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
@@ -98,6 +98,10 @@ class Trainer:
         self.dcfg = drafter_config_for(cfg.model, self.reader)
         self.gamma = cfg.loss.gamma if cfg.loss.gamma is not None else default_gamma(cfg.model.block_size)
         self.kl_weight = cfg.loss.kl_for(self.reader.meta.topk)
+        self.noise_over_rms: list[float] | None = None   # --feature-noise over each stored layer's RMS
+        if cfg.loss.feature_noise > 0 and proc.is_main:
+            self.noise_over_rms, text = noise_scale(cfg.loss.feature_noise, self.reader)
+            self.line.say(text)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
         self.model, self.ddp = self._build_model()
@@ -278,7 +282,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps({
                 "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "kl_weight": self.kl_weight,
-                "world_size": proc.world,
+                "feature_noise_over_rms": self.noise_over_rms, "world_size": proc.world,
                 "steps_total": self.total, "steps_per_epoch": self.per_epoch,
                 "store": {"url": cfg.data.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
                 "tool_version": __version__}, indent=1))
