@@ -120,6 +120,7 @@ def _time_mode(mode, cfg, reader, dcfg, frozen, runner, topk, dev, warmup, steps
     cuda = dev.type == "cuda"
     model, loss, optim, data = cfg.model, cfg.loss, cfg.optim, cfg.data
     gamma = loss.gamma if loss.gamma is not None else default_gamma(model.block_size)
+    kl_weight = loss.kl_for(reader.meta.topk)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg, DrafterOptions(compile_kernels=None if cfg.runtime.compile else False))
     init_drafter_weights(drafter, generator=torch.Generator().manual_seed(cfg.seed))
@@ -151,7 +152,7 @@ def _time_mode(mode, cfg, reader, dcfg, frozen, runner, topk, dev, warmup, steps
             opt.zero_grad(set_to_none=True)
             anchors = draw_anchors(batch, loss.max_anchors, step_generator(cfg.seed, 0, step), model.block_size)
             res = run_blocks(drafter, frozen, batch, anchors, block_size=model.block_size,
-                             mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=cfg.loss.kl_for(reader.meta.topk),
+                             mask_token_id=dcfg.mask_token_id, gamma=gamma, kl_weight=kl_weight,
                              cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
                              loss_chunk=cfg.runtime.loss_chunk,
                              g=step_generator(cfg.seed, 0, step, dev, NOISE_STREAM), autocast=cuda)

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from dflash_pipeline.decoding.fused import fuse_projections
-from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.decoding.runner import DecodingRunner
+from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.extract.target import decoder_layers
 from decoding_helpers import hf_greedy, tiny_causal_lm as tiny
 

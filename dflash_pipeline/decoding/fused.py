@@ -177,7 +177,7 @@ def fuse_projections(model) -> FusedProjections:
             fused += parent is not None and _fuse_group(parent, names, f"layer {i}: {part}", done)
         done.layers += fused > 0
         done.groups += fused
-    if done.groups and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if done.groups and torch.cuda.is_initialized():
         # The separate weights' memory went back to the caching allocator, in blocks too small for anything
         # but smaller tensors; give it back to the device, so that free memory reads true again (a memory
         # plan made after this, another process on the GPU).

@@ -72,14 +72,13 @@ def noise_scale(noise: float, reader: StoreReader) -> tuple[list[float | None], 
     a line that says it (a warning where a layer's ratio is well above what the default was measured at)."""
     rms = layer_rms(reader)
     ratios = [noise / r if r > 0 else None for r in rms]
-    known = [x for x in ratios if x is not None]
-    if not known:
+    seen = [r for r in rms if r > 0]
+    if not seen:
         return ratios, f"feature noise U(-{noise:g}, {noise:g}): the store's markers hold no feature statistics"
     lo, hi = NOISE_OVER_RMS_MEASURED
-    seen = [r for r in rms if r > 0]
-    text = (f"feature noise U(-{noise:g}, {noise:g}) is {min(known):.1%}-{max(known):.1%} of the features' RMS "
-            f"by layer ({min(seen):.3g}-{max(seen):.3g})")
-    if max(known) > 3 * hi:
+    text = (f"feature noise U(-{noise:g}, {noise:g}) is {noise / max(seen):.1%}-{noise / min(seen):.1%} of the "
+            f"features' RMS by layer ({min(seen):.3g}-{max(seen):.3g})")
+    if noise / min(seen) > 3 * hi:
         text += (f"; warning: the default was measured at {lo:.1%}-{hi:.1%}, so it is strong for this target "
                  f"(--feature-noise {hi * min(seen):.3g} puts its noisiest layer at {hi:.1%}; 0 turns it off)")
     return ratios, text
