@@ -47,7 +47,8 @@ prep)
   "$shared/gpu/smollm2.sh" || exit 1
   # its second part (60 MiB) no longer fits one call beside the tracked files: split it once more, into
   # .m2/p1 (30 MiB) and .m3/p2 (the rest)
-  if [ ! -f .m3/p2 ]; then
+  # (by size: smollm2.sh rewrites .m2/p1 whole on every prep, .m3/p2 or not)
+  if [ "$(stat -c %s .m2/p1)" -gt 31457280 ]; then
     mkdir -p .m3 && tail -c +31457281 .m2/p1 > .m3/p2 && head -c 31457280 .m2/p1 > .m2/p1.tmp && mv .m2/p1.tmp .m2/p1 || exit 1
     grep -qx /.m3/ .git/info/exclude 2>/dev/null || echo /.m3/ >> .git/info/exclude
   fi

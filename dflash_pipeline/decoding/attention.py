@@ -226,6 +226,10 @@ class StepState:
                  windows: Iterable[int | None] = (None,), capture=None, split: bool = False):
         R, q = offsets_Rq.shape
         self.kv, self.rows, self.slots, self.groups, self.capture = kv, rows, slots, groups, capture
+        # the rows as plain ints, for the compiled write: torch 2.11's dynamo cannot trace slice.indices and
+        # broke every compiled layer's graph there (seen on the GPU image; 2.13 traces it)
+        start, stop, _ = rows.indices(kv.keys_L.shape[1])
+        self.row0, self.num_rows = start, stop - start
         self.block_mask_Rqq, self.lengths_R = block_mask_Rqq, lengths_R
         write_Rq = lengths_R[:, None] + torch.arange(q, device=lengths_R.device)
         self.pos_Rq = lengths_R[:, None] + offsets_Rq
@@ -257,8 +261,7 @@ class StepState:
             # scatter into a view, functionalisation made Inductor copy the layer's K and V whole at every
             # step (a 128-row Qwen3-8B generation step went from 12.7 to 23.3 ms), and a mutating op on
             # the view itself was given the wrong layer's offset once the layer index became symbolic.
-            start, stop, _ = self.rows.indices(self.kv.keys_L.shape[1])
-            torch.ops.dflash.write_kv(self.kv.keys_L, self.kv.values_L, layer, start, stop - start,
+            torch.ops.dflash.write_kv(self.kv.keys_L, self.kv.values_L, layer, self.row0, self.num_rows,
                                       self.index_RkqD, key_RkqD, value_RkqD)
         else:
             _write_kv(self.kv.keys_L, self.kv.values_L, layer, self.rows, self.index_RkqD, key_RkqD, value_RkqD)

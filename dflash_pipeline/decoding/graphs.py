@@ -41,15 +41,54 @@ class GraphedStep:
 
     def _capture(self) -> None:
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.fn()
-        self.graph = graph
+        warmup = self.warmup
+        for attempt in range(CAPTURE_ATTEMPTS):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self.fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool), no_compiling():
+                    self.fn()
+            except RecompileRequested as e:
+                reason, warmup = e, 1   # compile it outside the capture, then capture again
+                continue
+            self.graph = graph
+            return
+        raise RuntimeError(f"a graphed step still asked torch.compile to recompile after {CAPTURE_ATTEMPTS} warm-ups; "
+                           f"run it without compiling (dflash eval without --compile, dflash generate --no-compile): {reason}") from reason
+
+
+CAPTURE_ATTEMPTS = 3
+
+
+class RecompileRequested(RuntimeError):
+    """torch.compile wanted to compile a frame again where it must not (inside a CUDA graph capture)."""
+
+
+@contextmanager
+def no_compiling():
+    """Inside: a compiled function whose guards fail raises RecompileRequested instead of compiling.
+
+    Compiling inside a CUDA graph capture breaks the capture in ways that outlive it: Inductor benchmarks
+    candidate kernels with fresh random tensors and synchronisations, which invalidate the capture and
+    leave the CUDA generator mid-capture, so the process's next random op fails ("Offset increment
+    outside graph capture"). Seen on an H200 in a compiled, graphed Gemma 3 decode step. Raised early,
+    before anything runs, the capture ends cleanly and the caller warms up again outside it.
+    """
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None:   # torch < 2.6: no stance to ask for
+        yield
+        return
+    try:
+        with stance("fail_on_recompile"):
+            yield
+    except RuntimeError as e:
+        if "fail_on_recompile" in str(e) and not isinstance(e, RecompileRequested):
+            raise RecompileRequested(str(e)) from e
+        raise
 
 
 def new_pool(device: torch.device):
@@ -109,4 +148,4 @@ class StepTimer:
         return out
 
 
-__all__ = ["GraphedStep", "StepTimer", "new_pool"]
+__all__ = ["GraphedStep", "RecompileRequested", "StepTimer", "new_pool", "no_compiling"]
