@@ -195,7 +195,7 @@ def main() -> None:
     max_len = max(len(p) for p in prompts) + n + 80
     decoded = []
     with DecodingRunner(model, max_len=max_len, split_decode=a.split_decode) as runner:  # the model attends over the runner's cache here
-        kernels = runner.decode_attention
+        kernels, fused_layers = runner.decode_attention, runner.fused_layers
         for i, prompt in enumerate(prompts):
             tokens, top_ids, top_vals = greedy_reference(runner, prompt, n)
             decoded.append((prompt, tokens, top_ids, top_vals))
@@ -211,7 +211,8 @@ def main() -> None:
     every = [x for v in gaps.values() for x in v]
     need = math.ceil(max(every) - 1e-9)
     out = {"target": label, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "dtype": a.dtype, "decode_attention": kernels, "torch": torch.__version__, "prompts": len(prompts),
+           "dtype": a.dtype, "decode_attention": kernels,
+           "fused_projection_layers": fused_layers, "torch": torch.__version__, "prompts": len(prompts),
            "new_tokens": n, "positions": len(margins), "tie_ulps_now": TIE_ULPS,
            "margin_gap_ulp": {k: quantiles(v) for k, v in gaps.items()},
            "tie_ulps_covering_every_gap": need,
