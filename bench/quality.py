@@ -99,7 +99,9 @@ class Plan:
     num_workers: int = 2
     log_every: int = 10
     eval_every: int = 0             # held-out estimate every N steps (0: at each epoch's end), the in-run curve
-    turns: str = "first"            # "all": every exchange of a conversation (about 3x the data of the first
+    turns: str = "first"            # "each": every exchange as a conversation of its own (inputs writes them,
+                                    # generate answers each afresh: no replay ends at a cut reply);
+                                    # "all": every exchange of a conversation (about 3x the data of the first
                                     # ones; with --max-length 3072, as its samples are longer); `inputs` and `data`
     train_jobs: int = 1             # trainings at once: on one H200 three at once ran at 14K tok/s each
                                     # against 48K alone (measured 2026-12-01), so they do not overlap
@@ -434,7 +436,8 @@ def generate_job(b: Bench, kind: str) -> Job:
     out, done = b.data(kind), b.data(f"{kind}.done")
     cmd = b.dflash("generate", "--data", str(b.data("orig.jsonl")), "--out", str(out), *b.target_args(),
                    "--limit", str(p.n), "--max-new-tokens", str(p.max_new_tokens), "--max-length", str(p.max_length),
-                   "--temperature", f"{REGEN_TEMPERATURE[kind]:g}", "--seed", "0", "--turns", p.turns, "--gpus", "1",
+                   "--temperature", f"{REGEN_TEMPERATURE[kind]:g}", "--seed", "0",
+                   "--turns", "first" if p.turns == "each" else p.turns, "--gpus", "1",
                    *(["--batch-tokens", str(p.gen_batch_tokens)] if p.gen_batch_tokens else []), *p.device_args)
 
     def finish(rc: int) -> None:
@@ -667,8 +670,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline", type=float, default=None, help="Seconds from now: no job starts late, running "
                     "ones are stopped (trainings checkpoint; re-run the part to continue).")
     ap.add_argument("--redo", action="store_true", help="Start the given parts over instead of continuing them.")
-    ap.add_argument("--turns", choices=["first", "all"], default=None, help="override the plan's turns: the "
-                    "first exchange of each conversation, or all of them (parts inputs and data)")
+    ap.add_argument("--turns", choices=["first", "all", "each"], default=None, help="override the plan's turns: "
+                    "the first exchange of each conversation, all of them, or each as a conversation of its own "
+                    "(a question written once; parts inputs and data)")
     ap.add_argument("--best", default=None, help="The recipe used by variants, curve and online (default: the "
                     "recipes part's winner).")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma list: the recipes part `recipes` trains")

@@ -55,10 +55,25 @@ def first_exchange(record: Any, turns: str = "first") -> tuple[list[dict[str, st
     return out, ""
 
 
+def each_exchange(record: Any) -> tuple[list[list[dict[str, str]]], str]:
+    """Every exchange `first_exchange(record, "all")` keeps, each as a conversation of its own (the system
+    message, one user turn, its reply): later questions asked afresh, so that a target answering them
+    greedily writes as much text as their count allows, where a replayed conversation ends at its first
+    cut reply. ([], why) when the record has none."""
+    conv, why = first_exchange(record, "all")
+    if conv is None:
+        return [], why
+    system = conv[:1] if conv[0]["from"] == "system" else []
+    pairs = conv[len(system):]
+    return [system + pairs[i:i + 2] for i in range(0, len(pairs), 2)], ""
+
+
 def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_tokens: int,
                           turns: str = "first") -> dict[str, Any]:
     """Write up to `n` conversations of the embedded train split as ShareGPT JSONL (their first exchange, or
-    with turns "all" every exchange `first_exchange` keeps); statistics (reply tokens: all replies of one)."""
+    with turns "all" every exchange `first_exchange` keeps, or with turns "each" every such exchange as a
+    conversation of its own, a user turn already written skipped); statistics (reply tokens: all replies
+    of one)."""
     from transformers import AutoTokenizer
 
     from dflash_pipeline.extract.target import resolve_target
@@ -66,7 +81,8 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
     tok = AutoTokenizer.from_pretrained(resolve_target(target))
     skipped: Counter = Counter()
     written, read, prompt_tokens, reply_tokens, exchanges = 0, 0, 0, 0, 0
-    pending: list[tuple[int, list[dict[str, str]]]] = []
+    pending: list[tuple[str, list[dict[str, str]]]] = []
+    seen: set[str] = set()   # turns "each": the user turns written (the same question gets the same greedy reply)
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         def flush() -> None:
@@ -75,13 +91,13 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
                         add_special_tokens=False)["input_ids"]
             replies = tok(["".join(m["value"] for m in c if m["from"] == "gpt") for _, c in pending],
                           add_special_tokens=False)["input_ids"]
-            for (index, conv), u, r in zip(pending, users, replies):
+            for (rid, conv), u, r in zip(pending, users, replies):
                 if written >= n:
                     break
                 if len(u) > max_prompt_tokens:
                     skipped["first user turn longer than the cap"] += 1
                     continue
-                f.write(json.dumps({"id": f"sharegpt-train-{index}", "conversations": conv}, ensure_ascii=False) + "\n")
+                f.write(json.dumps({"id": rid, "conversations": conv}, ensure_ascii=False) + "\n")
                 written += 1
                 prompt_tokens += len(u)
                 reply_tokens += len(r)
@@ -90,11 +106,23 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
 
         for index, record in iter_embedded_rows("train"):
             read += 1
-            conv, why = first_exchange(record, turns)
-            if conv is None:
-                skipped[why] += 1
-                continue
-            pending.append((index, conv))
+            if turns == "each":
+                convs, why = each_exchange(record)
+                if not convs:
+                    skipped[why] += 1
+                for k, conv in enumerate(convs):
+                    question = next(m["value"] for m in conv if m["from"] == "human").strip()
+                    if question in seen:
+                        skipped["a user turn already written"] += 1
+                        continue
+                    seen.add(question)
+                    pending.append((f"sharegpt-train-{index}-{k}", conv))
+            else:
+                conv, why = first_exchange(record, turns)
+                if conv is None:
+                    skipped[why] += 1
+                    continue
+                pending.append((f"sharegpt-train-{index}", conv))
             if len(pending) >= 256:
                 flush()
                 if written >= n:

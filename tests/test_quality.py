@@ -146,6 +146,46 @@ def test_first_exchange_selection():
     assert first_exchange({"conversations": [h[0], g[0], g[1], h[1], g[1]]}, "all")[0] == [h[0], g[0]]
 
 
+def test_each_exchange_is_a_conversation_of_its_own():
+    from quality_data import each_exchange
+
+    sys_m = {"from": "system", "value": "be brief"}
+    h = [{"from": "human", "value": f"q{i}"} for i in range(3)]
+    g = [{"from": "gpt", "value": f"a{i}"} for i in range(3)]
+    convs, _ = each_exchange({"conversations": [sys_m, h[0], g[0], h[1], g[1], h[2], g[2]]})
+    assert convs == [[sys_m, h[0], g[0]], [sys_m, h[1], g[1]], [sys_m, h[2], g[2]]]
+    # the same exchanges turns "all" keeps: up to the first pair that breaks the alternation
+    assert each_exchange({"conversations": [h[0], g[0], g[1], h[1], g[1]]})[0] == [[h[0], g[0]]]
+    assert each_exchange({"conversations": [g[0]]}) == ([], "no user turn")
+
+
+def test_turns_each_writes_every_question_once(monkeypatch, tmp_path):
+    import json
+
+    import quality_data
+
+    class Tok:   # one token per character: the prompt cap counts characters here
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [list(t) for t in texts]}
+
+    rows = [(0, {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"},
+                                   {"from": "human", "value": "continue"}, {"from": "gpt", "value": "more"}]}),
+            (1, {"conversations": [{"from": "human", "value": "continue "}, {"from": "gpt", "value": "x"},
+                                   {"from": "human", "value": "a question far too long"}, {"from": "gpt", "value": "y"},
+                                   {"from": "human", "value": "why"}, {"from": "gpt", "value": "z"}]})]
+    monkeypatch.setattr(quality_data, "iter_embedded_rows", lambda split: iter(rows))
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: Tok())
+    monkeypatch.setattr("dflash_pipeline.extract.target.resolve_target", lambda t: "tok")
+    out = tmp_path / "orig.jsonl"
+    rec = quality_data.write_first_exchanges(out, None, 10, 12, "each")
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in written] == ["sharegpt-train-0-0", "sharegpt-train-0-1", "sharegpt-train-1-2"]
+    assert [[m["value"] for m in r["conversations"]] for r in written] == [["hello", "hi"], ["continue", "more"],
+                                                                           ["why", "z"]]
+    assert rec["conversations"] == 3 and rec["skipped"] == {"a user turn already written": 1,
+                                                             "first user turn longer than the cap": 1}
+
+
 def _tiny_dcfg(layer_types, window=None) -> DrafterConfig:
     return DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=len(layer_types), num_heads=4,
                          num_kv_heads=2, head_dim=16, vocab_size=100, block_size=8, mask_token_id=99,
