@@ -298,6 +298,37 @@ def test_step_timer_keeps_every_time_and_drains_finished_events():
     assert timer.summary()["matmul"] == sorted(times)[150]
 
 
+def test_a_compiled_step_whose_guards_fail_at_capture_compiles_outside_it():
+    """The capture's call meets an input the compiled code has no guard for (as a compiled Gemma 3 step
+    did on an H200): GraphedStep compiles it in one more warm-up, captures again, replays the right
+    numbers, and the process's random numbers still work afterwards (a compile inside a capture used to
+    leave the CUDA generator mid-capture: "Offset increment outside graph capture")."""
+    from dflash_pipeline.decoding.graphs import GraphedStep
+
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs")
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda x: (x.float().sin() + 1).sum(), dynamic=False)
+        small, large = torch.rand(100, device=DEVICE), torch.rand(3000, device=DEVICE)
+        out, calls = torch.zeros((), device=DEVICE), []
+
+        def step():
+            x = small if len(calls) < 2 else large   # warm-ups on one shape, the capture on another
+            calls.append(x.numel())
+            out.copy_(f(x))
+
+        g = GraphedStep(step, torch.device(DEVICE), warmup=2)
+        g()
+        assert g.graph is not None and calls[:3] == [100, 100, 3000] and len(calls) == 5
+        large.copy_(torch.rand(3000, device=DEVICE))
+        g()
+        torch.testing.assert_close(out, (large.sin() + 1).sum())
+        torch.randn(8, device=DEVICE)   # the generator is not left mid-capture
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("budget", [4, 64, 256])
 def test_graphed_tree_builder_equals_eager(budget):
     from dflash_pipeline.decoding.tree import TreeBuilder
