@@ -14,8 +14,8 @@
 #                                 without carrying .bench_assets, which would pass the 64 MiB with .m1)
 #   bench/quality_gpu.sh smoke    every part, tiny, on this CPU (checks the script before GPU time)
 # On the GPU machine (each call's command; the next call within 30 s of the previous answer):
-#   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup   (over 64 MiB, e.g. with the ~23 MB
-#           inputs of `--turns all --n 16000`: carry .m1 .whl, then .qinputs in a second `setup` call)
+#   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup   (over 64 MiB with larger inputs, e.g.
+#           the 17 MB of `--turns each --n 40000`: carry .m1 .whl here and .qinputs with .m2 in call 2)
 #   call 2  carry .m2        bash bench/quality_gpu.sh setup
 #   call 3  carry .m3        bash bench/quality_gpu.sh run data stores
 #   call 4                   bash bench/quality_gpu.sh run recipes
