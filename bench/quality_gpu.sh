@@ -25,7 +25,8 @@
 # next session's setup restores it and part `data` skips the generation (~3 minutes of device time).
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
 # resume from their SIGTERM checkpoints, finished runs and evals are skipped).
-# env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT, weights in 15 MiB parts),
+# env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
+#      parts; default: the newest finished run's, once),
 #      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke)
@@ -100,11 +101,18 @@ run)
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
       runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
       runs/*/final/config.json 2>/dev/null)
-    if [ -n "${KEEP_DRAFTER:-}" ] && [ -d "$root/runs/$KEEP_DRAFTER/final" ]; then
+    keep_run=${KEEP_DRAFTER:-}
+    if [ -z "$keep_run" ]; then  # by default the newest finished drafter, once: a machine lost before its
+      newest=$(ls -td $root/runs/*/final 2>/dev/null | head -1)   # evals ran leaves it here to evaluate
+      if [ -n "$newest" ] && [ ! -f "$(dirname "$newest")/.drafter-returned" ]; then keep_run=$(basename "$(dirname "$newest")"); fi
+    fi
+    if [ -n "$keep_run" ] && [ -d "$root/runs/$keep_run/final" ]; then
       # A drafter back to this machine (e.g. to study its held-out estimate on the CPU): files come back at
       # most 16 MiB each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
-      cp "$root/runs/$KEEP_DRAFTER/final/"*.json $OUT/ 2>/dev/null
-      split -b 15m "$root/runs/$KEEP_DRAFTER/final/"*.safetensors $OUT/drafter-part-
+      mkdir -p $OUT/drafter-$keep_run
+      cp "$root/runs/$keep_run/final/"*.json $OUT/drafter-$keep_run/ 2>/dev/null
+      split -b 15m "$root/runs/$keep_run/final/"*.safetensors $OUT/drafter-$keep_run/drafter-part- \
+        && touch "$root/runs/$keep_run/.drafter-returned"
     fi
     ls -la $OUT
   fi
