@@ -3,7 +3,9 @@
 A `GraphedStep` wraps a function of no arguments that reads and writes only static buffers (its
 inputs are written into buffers before a call, its outputs copied into buffers inside it). On CUDA the
 first call warms it up on a side stream (kernel selection, lazy allocations, cuBLAS workspaces), then
-captures it; every call after that is one `graph.replay()`. Elsewhere it is the function itself, so
+captures it; every call after that is one `graph.replay()`. Nothing compiles inside a capture: where a
+compiled function's guards fail there, the capture is given up before anything ran, and the step warms
+up once more and captures again (`no_compiling`). Elsewhere it is the function itself, so
 the CPU tests run the same code the GPU replays.
 
 Graphs of one runner share a memory pool: they replay one at a time on one stream, and none of them
@@ -42,7 +44,7 @@ class GraphedStep:
     def _capture(self) -> None:
         side = torch.cuda.Stream(self.device)
         warmup = self.warmup
-        for attempt in range(CAPTURE_ATTEMPTS):
+        for _ in range(CAPTURE_ATTEMPTS):
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(warmup):
@@ -57,8 +59,9 @@ class GraphedStep:
                 continue
             self.graph = graph
             return
-        raise RuntimeError(f"a graphed step still asked torch.compile to recompile after {CAPTURE_ATTEMPTS} warm-ups; "
-                           f"run it without compiling (dflash eval without --compile, dflash generate --no-compile): {reason}") from reason
+        raise RuntimeError(f"a graphed step still asked torch.compile to recompile after {CAPTURE_ATTEMPTS} "
+                           f"warm-ups; run it without compiling (dflash eval without --compile, dflash generate "
+                           f"--no-compile): {reason}") from reason
 
 
 CAPTURE_ATTEMPTS = 3
