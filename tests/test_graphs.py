@@ -93,9 +93,8 @@ def test_a_step_whose_guards_fail_in_the_capture_is_compiled_outside_it_and_capt
 
 def test_a_step_that_recompiles_at_every_call_fails_with_a_clear_error(compiled, monkeypatch):
     FakeCuda(monkeypatch)
-    f = compiled(lambda x: x.cos())
+    f = torch.compile(lambda x: x.cos(), backend="aot_eager", dynamic=False)
     sizes = iter(range(1, 100))
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
 
     def step():
         f(torch.ones(next(sizes)))    # a new static shape every call: the guards never hold

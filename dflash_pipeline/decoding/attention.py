@@ -226,10 +226,11 @@ class StepState:
                  windows: Iterable[int | None] = (None,), capture=None, split: bool = False):
         R, q = offsets_Rq.shape
         self.kv, self.rows, self.slots, self.groups, self.capture = kv, rows, slots, groups, capture
-        # the rows as plain ints, for the compiled write: torch 2.11's dynamo cannot trace slice.indices and
-        # broke every compiled layer's graph there (seen on the GPU image; 2.13 traces it)
-        start, stop, _ = rows.indices(kv.keys_L.shape[1])
-        self.row0, self.num_rows = start, stop - start
+        # a slice of rows as plain ints, for the compiled write: torch 2.11's dynamo cannot trace slice.indices
+        # and broke every compiled layer's graph there (seen on the GPU image; 2.13 traces it)
+        if isinstance(rows, slice):
+            start, stop, _ = rows.indices(kv.keys_L.shape[1])
+            self.row0, self.num_rows = start, stop - start
         self.block_mask_Rqq, self.lengths_R = block_mask_Rqq, lengths_R
         write_Rq = lengths_R[:, None] + torch.arange(q, device=lengths_R.device)
         self.pos_Rq = lengths_R[:, None] + offsets_Rq
