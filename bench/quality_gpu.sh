@@ -29,7 +29,8 @@
 #      parts; default: the newest finished run's, once),
 #      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
-#      SMOKE_ROOT (default /tmp/dflash-quality-smoke)
+#      SMOKE_ROOT (default /tmp/dflash-quality-smoke), BG_PARTS (bench/gpu_all.sh parts that `run` starts beside
+#      the quality parts and waits for before packing $OUT, e.g. "cuda-tests": results in $OUT/gpu-all)
 set -uo pipefail
 cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...}
 shift
@@ -88,8 +89,14 @@ run)
   export PYTHONPATH=$keep/site:$PWD DFLASH_CACHE=$keep/cache PYTHONUNBUFFERED=1
   mkdir -p $root
   df -h /tmp | tail -1
+  bg=
+  if [ -n "${BG_PARTS:-}" ]; then  # bench/gpu_all.sh parts beside this call's (e.g. cuda-tests): one call, both
+    TOKENIZER=$keep/tokenizer bash bench/gpu_all.sh "${OUT:-$keep}/gpu-all" $BG_PARTS > $keep/bg.log 2>&1 &
+    bg=$!
+  fi
   $py bench/quality.py "$@" --root $root --target $gguf --deadline "${DEADLINE:-500}" ${Q_ARGS:-} 2>&1 | tee -a $root/log.txt
   rc=${PIPESTATUS[0]}
+  if [ -n "$bg" ]; then wait $bg; grep "^===" $keep/bg.log; fi   # gpu_all.sh limits each part's time itself
   if [ -n "${OUT:-}" ]; then
     $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
     cp $root/summary.md $OUT/ 2>/dev/null
