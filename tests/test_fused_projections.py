@@ -83,6 +83,33 @@ def test_fused_model_computes_the_same_with_one_buffer_per_group(kind):
     fused.restore()
 
 
+def test_biased_projections_fuse_their_biases_too():
+    """Qwen2's q, k and v carry biases (its MLP does not): the biases become views of one buffer as the
+    weights do, and the fused model computes and decodes as before."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for n in GROUPS["self_attn"]:
+                getattr(layer.self_attn, n).bias.normal_(0, 0.5)   # biases away from 0, so a dropped one shows
+    want, want_tokens = logits(model, PROMPT), hf_greedy(model, PROMPT, 12)
+    fused = fuse_projections(model)
+    assert fused.groups == 2 * cfg.num_hidden_layers
+    attn = decoder_layers(model)[0].self_attn
+    assert len({getattr(attn, n).bias.untyped_storage().data_ptr() for n in GROUPS["self_attn"]}) == 1
+    torch.testing.assert_close(logits(model, PROMPT), want, **EXACT)
+    assert hf_greedy(model, PROMPT, 12) == want_tokens
+    fused.restore()
+    with DecodingRunner(model, max_len=48, graphs=False) as runner:
+        assert runner.fused_layers == cfg.num_hidden_layers
+        assert step_logits(runner, PROMPT, 12)[1] == want_tokens
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_runner_steps_fused_equal_unfused_and_close_restores(kind):
     model = tiny(kind, seed=1)
