@@ -55,6 +55,11 @@ def first_exchange(record: Any, turns: str = "first") -> tuple[list[dict[str, st
     return out, ""
 
 
+def question(conv: list[dict[str, str]]) -> str:
+    """The conversation's first user turn."""
+    return next(m["value"] for m in conv if m["from"] == "human")
+
+
 def each_exchange(record: Any) -> tuple[list[list[dict[str, str]]], str]:
     """Every exchange `first_exchange(record, "all")` keeps, each as a conversation of its own (the system
     message, one user turn, its reply): later questions asked afresh, so that a target answering them
@@ -87,7 +92,7 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
     with open(tmp, "w", encoding="utf-8") as f:
         def flush() -> None:
             nonlocal written, prompt_tokens, reply_tokens, exchanges
-            users = tok([next(m["value"] for m in c if m["from"] == "human") for _, c in pending],
+            users = tok([question(c) for _, c in pending],
                         add_special_tokens=False)["input_ids"]
             replies = tok(["".join(m["value"] for m in c if m["from"] == "gpt") for _, c in pending],
                           add_special_tokens=False)["input_ids"]
@@ -111,11 +116,11 @@ def write_first_exchanges(out: Path, target: str | None, n: int, max_prompt_toke
                 if not convs:
                     skipped[why] += 1
                 for k, conv in enumerate(convs):
-                    question = next(m["value"] for m in conv if m["from"] == "human").strip()
-                    if question in seen:
+                    asked = question(conv).strip()
+                    if asked in seen:
                         skipped["a user turn already written"] += 1
                         continue
-                    seen.add(question)
+                    seen.add(asked)
                     pending.append((f"sharegpt-train-{index}-{k}", conv))
             else:
                 conv, why = first_exchange(record, turns)
