@@ -17,12 +17,15 @@
 #   call 1  carry .m1 .whl .qinputs   bash bench/quality_gpu.sh setup   (over 64 MiB with larger inputs, e.g.
 #           the 17 MB of `--turns each --n 40000`: carry .m1 .whl here and .qinputs with .m2 in call 2)
 #   call 2  carry .m2        bash bench/quality_gpu.sh setup
-#   call 3  carry .m3        bash bench/quality_gpu.sh run data stores
+#   call 3  carry .m3        bash bench/quality_gpu.sh run data stores   (with .qregen, below: carry .m3 .qregen
+#           and run `bash bench/quality_gpu.sh setup && bash bench/quality_gpu.sh run data stores`)
 #   call 4                   bash bench/quality_gpu.sh run recipes
 #   call 5                   bash bench/quality_gpu.sh run variants curve
 #   call 6                   bash bench/quality_gpu.sh run specforge online summary
-# Each call also returns $OUT/regen-data.tgz once part `data` has finished: copied into .qinputs/ here, the
-# next session's setup restores it and part `data` skips the generation (~3 minutes of device time).
+# Once part `data` has finished, the next call returns the regenerated conversations once, in 15 MiB parts
+# ($OUT/regen-data/regen-data.tgz.part-*: files come back at most 16 MiB each; 40,000 replies are ~26 MB).
+# Copied into .qregen/ here, a later session's setup restores them and part `data` skips the generation
+# (~4 minutes of device time at 40,000 replies). An older single .qinputs/regen-data.tgz is read as well.
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
 # resume from their SIGTERM checkpoints, finished runs and evals are skipped).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
@@ -71,12 +74,16 @@ setup)
   # Restores whatever this call carries, so that a carry over the 64 MiB can be split over calls (e.g. the
   # larger inputs of `--turns all`: call 1 `.m1 .whl`, call 2 `.qinputs`, both `setup`; then `run` with .m2).
   mkdir -p $root
-  [ -d .m1 ] || [ -d .m2 ] || [ -d .qinputs ] || [ -d .whl ] || { echo "setup: carry .m1, .m2, .whl and/or .qinputs"; exit 1; }
+  [ -d .m1 ] || [ -d .m2 ] || [ -d .qinputs ] || [ -d .whl ] || [ -d .qregen ] \
+    || { echo "setup: carry .m1, .m2, .whl, .qinputs and/or .qregen"; exit 1; }
   for part in .m1/p0 .m2/p1; do if [ -f $part ]; then cp $part $keep/ || exit 1; fi; done
   if [ -f .qinputs/inputs.tgz ]; then tar xzf .qinputs/inputs.tgz -C $root && echo "inputs restored" || exit 1; fi
   # the regenerated conversations of an earlier session (its $OUT/regen-data.tgz, copied into .qinputs/):
   # part `data` then skips generation (it refuses them if they were made with other settings)
   if [ -f .qinputs/regen-data.tgz ]; then tar xzf .qinputs/regen-data.tgz -C $root && echo "regenerated data restored"; fi
+  if ls .qregen/regen-data.tgz.part-* > /dev/null 2>&1; then
+    cat .qregen/regen-data.tgz.part-* | tar xz -C $root && echo "regenerated data restored (.qregen)" || exit 1
+  fi
   if [ -f .qinputs/tokenizer.tgz ]; then tar xzf .qinputs/tokenizer.tgz -C $keep && echo "TOKENIZER=$keep/tokenizer"; fi
   if [ -d .whl ]; then $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1; fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
@@ -101,9 +108,12 @@ run)
     $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
     cp $root/summary.md $OUT/ 2>/dev/null
     tail -c 4000000 $root/log.txt > $OUT/log.txt
-    if [ -f $root/data/regen.done ]; then  # small (~5 MB): a later session carries it back (setup) and saves the generation
-      (cd $root && tar czf $OUT/regen-data.tgz data/regen data/regen.done results/data.json \
-        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null))
+    if [ -f $root/data/regen.done ] && [ ! -f $root/data/.regen-returned ]; then
+      # once, in 15 MiB parts (files come back at most 16 MiB each); here: copy them into .qregen/
+      mkdir -p $OUT/regen-data
+      (cd $root && tar czf - data/regen data/regen.done results/data.json \
+        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $OUT/regen-data/regen-data.tgz.part- \
+        && touch $root/data/.regen-returned
     fi
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
       runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \

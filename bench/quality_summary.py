@@ -138,11 +138,15 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
     gen = _generate_record(b)
     dplan, steps = ran_with(b, "data"), ran_with(b, "recipes")["steps"]
     total = gen.get("total", {})
-    every = orig.get("turns", dplan["turns"]) == "all"
+    turns = orig.get("turns", dplan["turns"])
+    every = turns == "all"
     if every:
         what = (f"{orig.get('conversations', '-')} conversations of the embedded ShareGPT train split, every exchange "
                 f"(mean {_f(orig.get('mean_exchanges'), '.2f')} per conversation; a conversation ends at its first "
                 f"reply cut at the token limit)")
+    elif turns == "each":
+        what = (f"{orig.get('conversations', '-')} user turns of the embedded ShareGPT train split, each asked afresh "
+                f"as a one-turn question (each distinct question once)")
     else:
         what = f"{orig.get('conversations', '-')} first exchanges of the embedded ShareGPT train split"
     replies = (f"original replies {_f(orig.get('mean_reply_tokens'), '.0f')} tokens per conversation" if every

@@ -1,9 +1,9 @@
 """GraphedStep's capture never compiles: a compiled function whose guards fail inside the capture raises
 before anything runs, the step warms up once more outside it and captures again.
 
-On an H200 a compiled, graphed Gemma 3 step compiled during its capture; Inductor's benchmarking then
-broke the capture and left the CUDA generator mid-capture, so a later test of the same process failed in
-an unrelated random op. The CUDA calls of the capture are replaced here by stand-ins that record what
+A compile inside a capture would break it (Inductor benchmarks with random tensors and synchronisations)
+and a broken capture leaves the CUDA generator mid-capture, so that a later random op of the same process
+fails. The CUDA calls of the capture are replaced here by stand-ins that record what
 happens inside and outside the "capture"; torch.compile itself is real (aot_eager backend, fast).
 """
 

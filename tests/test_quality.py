@@ -296,6 +296,11 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     assert est["value"] == pytest.approx(1.2) and not est["met"]
     assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 |" in md
     assert "| ce@orig | store orig-bf16 |" in md
+    # --turns each: every user turn asked afresh; the summary must not call them first exchanges
+    b.write("inputs", {"orig": {"conversations": 40000, "turns": "each"}})
+    md, _ = build_summary(b)
+    assert "40000 user turns of the embedded ShareGPT train split, each asked afresh" in md
+    assert "first exchanges" not in md
 
 
 def test_summary_says_unmeasured_goals_are_unmeasured(tmp_path):

@@ -75,11 +75,11 @@ class RecompileRequested(RuntimeError):
 def no_compiling():
     """Inside: a compiled function whose guards fail raises RecompileRequested instead of compiling.
 
-    Compiling inside a CUDA graph capture breaks the capture in ways that outlive it: Inductor benchmarks
-    candidate kernels with fresh random tensors and synchronisations, which invalidate the capture and
-    leave the CUDA generator mid-capture, so the process's next random op fails ("Offset increment
-    outside graph capture"). Seen on an H200 in a compiled, graphed Gemma 3 decode step. Raised early,
-    before anything runs, the capture ends cleanly and the caller warms up again outside it.
+    Compiling inside a CUDA graph capture would break the capture in ways that outlive it: Inductor
+    benchmarks candidate kernels with fresh random tensors and synchronisations, which invalidate the
+    capture, and a failed capture leaves the CUDA generator mid-capture, so the process's next random op
+    fails ("Offset increment outside graph capture"). Raised early, before anything runs, the capture
+    ends cleanly and the caller warms up again outside it (a test on the GPU checks this).
     """
     stance = getattr(torch.compiler, "set_stance", None)
     if stance is None:   # torch < 2.6: no stance to ask for
