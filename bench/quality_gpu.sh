@@ -29,7 +29,10 @@
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
 # resume from their SIGTERM checkpoints, finished runs and evals are skipped).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
-#      parts; default: the newest finished run's, once),
+#      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
+#      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
+#      `cat drafter-part-* > model.safetensors`, `dflash eval --drafter DIR --target smollm2.gguf --prompts
+#      prompts-chat.jsonl --num-prompts 24 --max-new-tokens 192 --dtype fp32` measures its real tau on the CPU),
 #      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke), BG_PARTS (bench/gpu_all.sh parts that `run` starts beside
@@ -118,18 +121,29 @@ run)
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
       runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
       runs/*/final/config.json 2>/dev/null)
+    send() {  # send NAME DIR: an exported drafter back to this machine. Files come back at most 16 MiB
+      # each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
+      mkdir -p "$OUT/drafter-$1" && cp "$2/"*.json "$OUT/drafter-$1/" 2>/dev/null
+      split -b 15m "$2/"*.safetensors "$OUT/drafter-$1/drafter-part-"
+    }
     keep_run=${KEEP_DRAFTER:-}
     if [ -z "$keep_run" ]; then  # by default the newest finished drafter, once: a machine lost before its
       newest=$(ls -td $root/runs/*/final 2>/dev/null | head -1)   # evals ran leaves it here to evaluate
       if [ -n "$newest" ] && [ ! -f "$(dirname "$newest")/.drafter-returned" ]; then keep_run=$(basename "$(dirname "$newest")"); fi
     fi
     if [ -n "$keep_run" ] && [ -d "$root/runs/$keep_run/final" ]; then
-      # A drafter back to this machine (e.g. to study its held-out estimate on the CPU): files come back at
-      # most 16 MiB each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
-      mkdir -p $OUT/drafter-$keep_run
-      cp "$root/runs/$keep_run/final/"*.json $OUT/drafter-$keep_run/ 2>/dev/null
-      split -b 15m "$root/runs/$keep_run/final/"*.safetensors $OUT/drafter-$keep_run/drafter-part- \
-        && touch "$root/runs/$keep_run/.drafter-returned"
+      send "${keep_run//@/-at-}" "$root/runs/$keep_run/final" && touch "$root/runs/$keep_run/.drafter-returned"
+    elif [ -z "${KEEP_DRAFTER:-}" ]; then
+      # none finished: the newest checkpoint of a run stopped at a deadline, exported (once per checkpoint),
+      # so that a machine lost before the run's next call still leaves a drafter to measure
+      ck=$(ls -td $root/runs/*/checkpoints/step-* 2>/dev/null | head -1)
+      if [ -n "$ck" ]; then
+        run_dir=$(dirname "$(dirname "$ck")"); name="$(basename "$run_dir")-$(basename "$ck")"; name=${name//@/-at-}   # no odd characters in what comes back
+        if [ ! -f "$run_dir/.drafter-returned-$(basename "$ck")" ] && [ ! -d "$run_dir/final" ] \
+          && $py -m dflash_pipeline export "$ck" "$keep/partial/$name" > /dev/null; then
+          send "$name" "$keep/partial/$name" && touch "$run_dir/.drafter-returned-$(basename "$ck")"
+        fi
+      fi
     fi
     ls -la $OUT
   fi
