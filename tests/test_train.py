@@ -342,6 +342,11 @@ def test_loader_start_up_is_reported_apart_from_data_wait(tiny_store, tmp_path):
     assert train[0]["data_startup_s"] > 0.0
     assert "data_startup_s" not in train[1]
     assert all(0.0 <= r["data_wait_frac"] <= 1.0 for r in train)
+    # every record says when it was written; the held-out estimate also what it cost
+    evals = [r for r in recs if r["type"] == "eval"]
+    assert evals and all(r["seconds"] > 0.0 for r in evals)
+    times = [r["time"] for r in recs]
+    assert times == sorted(times) and times[-1] - times[0] < 600
 
 
 def test_no_compile_keeps_every_kernel_eager(tiny_store, tmp_path, monkeypatch):

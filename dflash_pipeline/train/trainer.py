@@ -328,7 +328,7 @@ class Trainer:
         loader.data_wait, self.t_log = 0.0, now
         self.metrics.clear()
         if self.proc.is_main:
-            self.records.write({"type": "train", **rec})
+            self.records.write({"type": "train", "time": round(now, 3), **rec})
             self.trackers.log(rec, self.step)
             self.line.update(render_train_line(rec, self.total), force=True)
 
@@ -344,11 +344,13 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """The held-out estimate (every rank its share of the held-out samples), logged by rank 0."""
         self.model.eval()
+        t0 = time.time()
         res = heldout_estimate(self.model, self.heldout)
         self.model.train()
         res["step"] = self.step
-        if self.proc.is_main:
-            self.records.write({"type": "eval", **res})
+        if self.proc.is_main:  # its wall time: what the estimate costs the run, e.g. to choose --eval-every
+            self.records.write({"type": "eval", "time": round(time.time(), 3), "seconds": round(time.time() - t0, 3),
+                                **res})
             self.trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, self.step)
             self.line.say(render_eval_line(res))
         self.last_eval = res
