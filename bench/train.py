@@ -12,7 +12,8 @@
   smollm2   (only when asked) the SmolLM2-135M-shaped drafter that bench/quality.py trains (hidden 576,
             intermediate 1,536, 9/3 heads of 64, vocab 49,152), same rows, anchors and block: it ran at
             ~47K input tok/s on an H200 (2026-12-02), its step far from compute-bound; with --profile,
-            where its time goes (every quality run's training minutes are these steps).
+            where its time goes (every quality run's training minutes are these steps); and the same
+            with 8 layers (the deeper recipe), as a ratio to the 5-layer step.
 
     python bench/train.py [--only step|memory|smollm2] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
     python bench/train.py --smoke      # tiny shapes on the CPU: checks the script before GPU time
@@ -209,6 +210,11 @@ def main() -> None:
         out["results"].append(bench_case("smollm2-135m drafter, 4x3072, 512 anchors, B=16", H=576, I=1536, heads=9,
                                          kv=3, V=49152, B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps,
                                          head_dim=64, profile=args.profile))
+        # bench/quality.py's deeper recipe (kl15-cap-noise-l8): what 3 more layers cost per step
+        out["results"].append(bench_case("smollm2-135m drafter, 8 layers", H=576, I=1536, heads=9, kv=3, V=49152,
+                                         B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps, layers=8,
+                                         head_dim=64, conventional=False))
+        out["results"][-1]["step_over_5_layers"] = out["results"][-1]["step_s"] / out["results"][-2]["step_s"]
     if args.only in (None, "memory"):
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
