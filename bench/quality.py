@@ -154,6 +154,11 @@ RECIPES: dict[str, dict[str, Any]] = {
     # stopped moving the estimate (1.99 -> 2.06 for 2.4x the text at 1,500 steps, 2026-12-03) while the
     # per-slot accuracy still fell from 0.72 to 0.23 over the block
     "kl15-cap-noise-l8": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "num_layers": 8},
+    # + the paper's anchor density at the same compute per step: 128 anchors per sample (~1 in 2.7 positions of
+    # these ~350-token samples, where 512 anchor nearly every position: 14 block tokens per input token) over
+    # twice the tokens per step, so a step sees twice the samples through about as many block tokens
+    "kl15-cap-noise-a128x2": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "max_anchors": 128,
+                              "tokens_per_batch": "BATCHx2"},
     # the seed run's configuration: block 32, gamma 10, sliding-window layers 0-3, KL, CAP, noise
     "b32-seed": {"block_size": 32, "gamma": 10.0, "kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE",
                  "sliding_window": "WINDOW", "swa_layers": "ALL_BUT_LAST"},   # 0-3 of 5 layers
@@ -195,6 +200,7 @@ class Bench:
         self.recipes: list[str] = list(RECIPES)  # --recipes: the ablation's subset this run trains
         self.stores: list[str] = list(DEFAULT_STORES)  # --stores: the stores this run extracts
         self.variant_stores: list[str] = ["orig-bf16", "regen-fp8"]  # --variant-stores
+        self.recipe_store = "regen-bf16"  # --recipe-store: where part `recipes` trains
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -257,6 +263,7 @@ class Bench:
     def recipe_args(self, recipe: str) -> dict[str, Any]:
         """A recipe's `dflash train` options, as keyword values (placeholders filled from the plan)."""
         fill = {"NOISE": self.plan.feature_noise, "WINDOW": self.plan.sliding_window,
+                "BATCHx2": 2 * self.plan.tokens_per_batch,
                 "ALL_BUT_LAST": ",".join(str(i) for i in range(self.plan.num_layers - 1))}
         recipe_kw = {**RECIPE_BASE, **RECIPES[recipe]}
         return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in recipe_kw.items()}
@@ -523,8 +530,8 @@ def disk_free_gb(path: Path) -> float:
 
 
 def part_recipes(b: Bench, deadline: float | None) -> None:
-    b.require_stores("regen-bf16")
-    runs = [Run(name, name, "regen-bf16", b.plan.steps, "recipes") for name in b.recipes]
+    b.require_stores(b.recipe_store)
+    runs = [Run(name, name, b.recipe_store, b.plan.steps, "recipes") for name in b.recipes]
     jobs = [b.train_job(r) for r in runs]
     for r in runs:
         jobs += b.eval_jobs(r.name)
@@ -683,6 +690,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stores", default=",".join(DEFAULT_STORES), help="comma list: the stores part `stores` "
                     f"extracts, of {', '.join(STORES)} (regen-t1: sampled regeneration at T=1; mix: original and "
                     "greedy regenerated replies in one store; all-fp8: the three sets of replies in one fp8 store)")
+    ap.add_argument("--recipe-store", default="regen-bf16", choices=list(STORES),
+                    help="the store part `recipes` trains every recipe on (e.g. regen-fp8 where a bf16 store of the "
+                    "data would not fit the disk)")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
                     help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
@@ -707,7 +717,7 @@ def main(argv: list[str] | None = None) -> None:
         print_plan()
         return
     b = Bench(a.root, a.target, plan, a.smoke, a.redo)
-    b.best_override = a.best
+    b.best_override, b.recipe_store = a.best, a.recipe_store
     b.recipes, b.stores, b.variant_stores = (_names(text, known, flag) for text, known, flag in (
         (a.recipes, RECIPES, "--recipes"), (a.stores, STORES, "--stores"),
         (a.variant_stores, tuple(VARIANT_TAGS), "--variant-stores")))

@@ -166,7 +166,9 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
     recipe_names = [n for n in RECIPES if (b.run_dir(n) / "summary.json").exists()]
     head = ["run", "settings", "held-out acc slot 1", "held-out tau (est.)", "real tau chat T=0", "est/real",
             "real tau chat T=1", "real tau code T=0", "speedup (alone)", "lossless", "train tok/s"]
-    out += [f"## Recipes on the regenerated bf16 store, {steps} steps each (best: {best})",
+    trained_on = sorted({r.get("store") for r in b.read("recipes").get("runs", [])} - {None}) or ["regen-bf16"]
+    where = "the regenerated bf16 store" if trained_on == ["regen-bf16"] else f"store {', '.join(trained_on)}"
+    out += [f"## Recipes on {where}, {steps} steps each (best: {best})",
             _table(head, _recipe_rows(b, recipe_names)), ""]
     rec["recipes"] = {n: run_row(b, n) for n in recipe_names}
 

@@ -365,6 +365,34 @@ def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypa
     assert opt(runs["ce@mix"], "--store") == [str(b.store("mix-bf16"))]
 
 
+def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
+    """--recipe-store regen-fp8: every recipe run of part `recipes` reads that store, the summary says so,
+    and the deeper and sparser recipes reach `dflash train` as 8 layers / 128 anchors over twice the tokens."""
+    import quality
+    from quality_summary import build_summary
+
+    ran: list = []
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+    (b.root / "stores" / "regen-fp8.json").write_text("{}")
+    b.recipes, b.recipe_store = ["kl15-cap-noise", "kl15-cap-noise-l8", "kl15-cap-noise-a128x2"], "regen-fp8"
+    quality.part_recipes(b, None)
+    train = {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran if j.kind == "train"}
+
+    def opt(cmd, flag):
+        return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+    assert set(train) == set(b.recipes)
+    assert all(opt(cmd, "--store") == [str(b.store("regen-fp8"))] for cmd in train.values())
+    assert opt(train["kl15-cap-noise-l8"], "--num-layers") == ["8"]
+    assert opt(train["kl15-cap-noise"], "--num-layers") == [str(quality.SMOKE.num_layers)]
+    sparse = train["kl15-cap-noise-a128x2"]
+    assert opt(sparse, "--max-anchors") == ["128"]
+    assert opt(sparse, "--tokens-per-batch") == [str(2 * quality.SMOKE.tokens_per_batch)]
+    md, _ = build_summary(b)
+    assert "## Recipes on store regen-fp8, " in md
+
+
 def test_only_the_alone_eval_compiles_when_asked(tmp_path):
     """--eval-compile 1 times the speedup with compiled kernels; the shared evals stay as they were."""
     import dataclasses
