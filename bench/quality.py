@@ -154,9 +154,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     # stopped moving the estimate (1.99 -> 2.06 for 2.4x the text at 1,500 steps, 2026-12-03) while the
     # per-slot accuracy still fell from 0.72 to 0.23 over the block
     "kl15-cap-noise-l8": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "num_layers": 8},
-    # + the paper's anchor density at the same compute per step: 128 anchors per sample (~1 in 2.7 positions of
-    # these ~350-token samples, where 512 anchor nearly every position: 14 block tokens per input token) over
-    # twice the tokens per step, so a step sees twice the samples through about as many block tokens
+    # + sparser anchors at the same compute per step: 128 per sample (~1 in 2.7 positions of these ~350-token
+    # samples, where 512 anchor nearly every position: 14 block tokens per input token; the paper's 512 per
+    # 3,072-token sequence is 1 in 6) over twice the tokens per step, so a step sees twice the samples through
+    # about as many block tokens (4x, at 64, would ask the loader for ~180K tok/s)
     "kl15-cap-noise-a128x2": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "max_anchors": 128,
                               "tokens_per_batch": "BATCHx2"},
     # the seed run's configuration: block 32, gamma 10, sliding-window layers 0-3, KL, CAP, noise
