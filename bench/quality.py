@@ -264,7 +264,8 @@ class Bench:
     def recipe_args(self, recipe: str) -> dict[str, Any]:
         """A recipe's `dflash train` options, as keyword values (placeholders filled from the plan)."""
         fill = {"NOISE": self.plan.feature_noise, "WINDOW": self.plan.sliding_window,
-                "BATCHx2": 2 * self.plan.tokens_per_batch,
+                # (a smoke store holds about one step of tokens: twice that cannot make a step there)
+                "BATCHx2": (1 if self.smoke else 2) * self.plan.tokens_per_batch,
                 "ALL_BUT_LAST": ",".join(str(i) for i in range(self.plan.num_layers - 1))}
         recipe_kw = {**RECIPE_BASE, **RECIPES[recipe]}
         return {k: fill.get(v, v) if isinstance(v, str) else v for k, v in recipe_kw.items()}

@@ -373,7 +373,7 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
 
     ran: list = []
     monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
-    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=False)   # smoke=True keeps one step's tokens
     (b.root / "stores" / "regen-fp8.json").write_text("{}")
     b.recipes, b.recipe_store = ["kl15-cap-noise", "kl15-cap-noise-l8", "kl15-cap-noise-a128x2"], "regen-fp8"
     quality.part_recipes(b, None)
