@@ -348,9 +348,9 @@ class Trainer:
         res = heldout_estimate(self.model, self.heldout)
         self.model.train()
         res["step"] = self.step
+        t1 = time.time()
         if self.proc.is_main:  # its wall time: what the estimate costs the run, e.g. to choose --eval-every
-            self.records.write({"type": "eval", "time": round(time.time(), 3), "seconds": round(time.time() - t0, 3),
-                                **res})
+            self.records.write({"type": "eval", "time": round(t1, 3), "seconds": round(t1 - t0, 3), **res})
             self.trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, self.step)
             self.line.say(render_eval_line(res))
         self.last_eval = res
