@@ -138,10 +138,11 @@ run)
       # so that a machine lost before the run's next call still leaves a drafter to measure
       ck=$(ls -td $root/runs/*/checkpoints/step-* 2>/dev/null | head -1)
       if [ -n "$ck" ]; then
-        run_dir=$(dirname "$(dirname "$ck")"); name="$(basename "$run_dir")-$(basename "$ck")"; name=${name//@/-at-}   # no odd characters in what comes back
-        if [ ! -f "$run_dir/.drafter-returned-$(basename "$ck")" ] && [ ! -d "$run_dir/final" ] \
+        run_dir=$(dirname "$(dirname "$ck")"); step=$(basename "$ck")
+        name="$(basename "$run_dir")-$step"; name=${name//@/-at-}   # no odd characters in what comes back
+        if [ ! -f "$run_dir/.drafter-returned-$step" ] && [ ! -d "$run_dir/final" ] \
           && $py -m dflash_pipeline export "$ck" "$keep/partial/$name" > /dev/null; then
-          send "$name" "$keep/partial/$name" && touch "$run_dir/.drafter-returned-$(basename "$ck")"
+          send "$name" "$keep/partial/$name" && touch "$run_dir/.drafter-returned-$step"
         fi
       fi
     fi

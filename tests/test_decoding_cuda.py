@@ -299,9 +299,10 @@ def test_step_timer_keeps_every_time_and_drains_finished_events():
 
 
 def test_a_compiled_step_whose_guards_fail_at_capture_compiles_outside_it():
-    """The capture's call meets an input the compiled code has no guard for: GraphedStep compiles it in one more warm-up, captures again, replays the right
-    numbers, and the process's random numbers still work afterwards (a compile inside a capture used to
-    leave the CUDA generator mid-capture: "Offset increment outside graph capture")."""
+    """The capture's call meets an input the compiled code has no guard for: GraphedStep compiles it in
+    one more warm-up, captures again, replays the right numbers, and the process's random numbers still
+    work afterwards (a compile inside a capture would leave the CUDA generator mid-capture: "Offset
+    increment outside graph capture")."""
     from dflash_pipeline.decoding.graphs import GraphedStep
 
     if DEVICE != "cuda":

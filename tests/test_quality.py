@@ -320,6 +320,11 @@ def test_summary_says_unmeasured_goals_are_unmeasured(tmp_path):
     assert "None" not in goals and "**missed**" not in goals.split("held-out estimate")[0]
 
 
+def _opt(cmd: list[str], flag: str) -> list[str]:
+    """Every value a command gives `flag`."""
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+
 def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypatch):
     """--stores regen-t1-bf16,mix-bf16: part `data` regenerates a second set at T=1 (only then), the mixed
     store is extracted from both sets of replies, and their variants train under their own names."""
@@ -337,9 +342,6 @@ def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypa
         part(b, *args)
         return {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran}
 
-    def opt(cmd, flag):
-        return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
-
     b.stores = ["regen-bf16"]
     assert list(cmds(quality.part_data, None, "cli")) == ["generate"]    # the default run: greedy only
     # data generated with other settings (e.g. carried from an earlier session) is refused, not reused
@@ -348,21 +350,21 @@ def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypa
         quality.part_data(other, None, "cli")
     b.stores = ["regen-bf16", "regen-t1-bf16", "mix-bf16", "all-fp8"]
     gen = cmds(quality.part_data, None, "cli")
-    assert opt(gen["generate"], "--temperature") == ["0"] and opt(gen["generate-regen-t1"], "--temperature") == ["1"]
-    assert opt(gen["generate-regen-t1"], "--out") == [str(b.data("regen-t1"))]
+    assert _opt(gen["generate"], "--temperature") == ["0"] and _opt(gen["generate-regen-t1"], "--temperature") == ["1"]
+    assert _opt(gen["generate-regen-t1"], "--out") == [str(b.data("regen-t1"))]
     b.write("data", {**b.read("data"), "complete": True})
     stores = cmds(quality.part_stores, None)
     assert set(stores) == {"extract-regen-bf16", "extract-regen-t1-bf16", "extract-mix-bf16", "extract-all-fp8"}
-    assert opt(stores["extract-mix-bf16"], "--data") == [str(b.data("orig.jsonl")), str(b.data("regen"))]
-    assert opt(stores["extract-all-fp8"], "--data") == [str(b.data(d)) for d in ("orig.jsonl", "regen", "regen-t1")]
-    assert opt(stores["extract-all-fp8"], "--codec") == ["fp8"]
-    assert opt(stores["extract-regen-t1-bf16"], "--data") == [str(b.data("regen-t1"))]
+    assert _opt(stores["extract-mix-bf16"], "--data") == [str(b.data("orig.jsonl")), str(b.data("regen"))]
+    assert _opt(stores["extract-all-fp8"], "--data") == [str(b.data(d)) for d in ("orig.jsonl", "regen", "regen-t1")]
+    assert _opt(stores["extract-all-fp8"], "--codec") == ["fp8"]
+    assert _opt(stores["extract-regen-t1-bf16"], "--data") == [str(b.data("regen-t1"))]
     for name in ("regen-t1-bf16", "mix-bf16"):
         (b.root / "stores" / f"{name}.json").write_text("{}")
     b.best_override, b.variant_stores = "ce", ["regen-t1-bf16", "mix-bf16"]
     runs = cmds(quality.part_variants, None)
-    assert opt(runs["ce@t1"], "--store") == [str(b.store("regen-t1-bf16"))]
-    assert opt(runs["ce@mix"], "--store") == [str(b.store("mix-bf16"))]
+    assert _opt(runs["ce@t1"], "--store") == [str(b.store("regen-t1-bf16"))]
+    assert _opt(runs["ce@mix"], "--store") == [str(b.store("mix-bf16"))]
 
 
 def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
@@ -379,16 +381,13 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     quality.part_recipes(b, None)
     train = {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran if j.kind == "train"}
 
-    def opt(cmd, flag):
-        return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
-
     assert set(train) == set(b.recipes)
-    assert all(opt(cmd, "--store") == [str(b.store("regen-fp8"))] for cmd in train.values())
-    assert opt(train["kl15-cap-noise-l8"], "--num-layers") == ["8"]
-    assert opt(train["kl15-cap-noise"], "--num-layers") == [str(quality.SMOKE.num_layers)]
+    assert all(_opt(cmd, "--store") == [str(b.store("regen-fp8"))] for cmd in train.values())
+    assert _opt(train["kl15-cap-noise-l8"], "--num-layers") == ["8"]
+    assert _opt(train["kl15-cap-noise"], "--num-layers") == [str(quality.SMOKE.num_layers)]
     sparse = train["kl15-cap-noise-a128x2"]
-    assert opt(sparse, "--max-anchors") == ["128"]
-    assert opt(sparse, "--tokens-per-batch") == [str(2 * quality.SMOKE.tokens_per_batch)]
+    assert _opt(sparse, "--max-anchors") == ["128"]
+    assert _opt(sparse, "--tokens-per-batch") == [str(2 * quality.SMOKE.tokens_per_batch)]
     md, _ = build_summary(b)
     assert "## Recipes on store regen-fp8, " in md
 
