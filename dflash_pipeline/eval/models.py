@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch.nn import functional as F
 
-from dflash_pipeline.eval.rollback import LinearStates, MixerReplay
+from dflash_pipeline.eval.rollback import LinearStates, MixerReplay, past_recording_options
 from dflash_pipeline.extract.target import embedding_scale, decoder_layers, text_config
 from dflash_pipeline.method import block_input_ids
 from dflash_pipeline.train.model import DFlashDrafter
@@ -90,7 +90,7 @@ class Target:
         kv = DynamicCache(config=self.model.config)
         # Sliding-window layers keep their past until cropped, so a rejected draft can be rolled back;
         # linear-attention layers keep their convolution window (their recurrent state: LinearStates).
-        kv.activate_past_recording()
+        kv.activate_past_recording(**past_recording_options())
         states = LinearStates(kv)
         if states and self._replay is None:
             self._replay = MixerReplay(self.model, states.layer_ids)
@@ -101,9 +101,11 @@ class Target:
         drop = cache.length - length
         if drop <= 0:
             return
-        cache.kv.crop(-drop)
         cache.length = length
-        if cache.states is not None:
+        if cache.states is None:
+            cache.kv.crop(-drop)
+        else:
+            cache.states.crop_others(drop)
             assert cache.saved_at is not None and length >= cache.saved_at, "rollback past the last verify forward"
             cache.states.restore()
             self._replay.replay(cache.mixer_inputs, length - cache.saved_at)

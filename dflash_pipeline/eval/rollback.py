@@ -6,8 +6,8 @@ n drafts. An attention layer rolls back by cropping its keys and values. A linea
 (Gated DeltaNet) keeps no per-token keys: it keeps a short-convolution window (its last kernel-size
 inputs) and a recurrent state [heads, d_k, d_v] into which every token is folded. transformers' `crop`,
 after `activate_past_recording`, cuts the window back right, but it cannot take tokens out of the
-recurrent state (`LinearAttentionCacheLayerMixin.is_croppable` says so, in 5.17 as in 5.24, and its
-own assisted decoding refuses such caches). So after every rejection the next forward started from a
+recurrent state (`LinearAttentionCacheLayerMixin.is_croppable` said so, in 5.17 as in 5.24, and its
+own assisted decoding refused such caches). So after every rejection the next forward started from a
 state that had seen the rejected drafts. A test shows it on the states themselves
 (tests/test_eval.py, test_verify_then_rollback_leaves_the_committed_states): after verify + crop the
 recurrent state of every linear layer differs from the state after feeding only the committed tokens
@@ -36,13 +36,18 @@ On a GPU at batch 1 a forward is bound by reading the weights and by kernel laun
 Qwen3.5-27B shape the second forward reads all 54 GB of weights again and launches every layer's
 kernels (~64 layers); the module replay reads the linear-attention projections of 48 layers
 (~11 GB: in_proj_qkv 5120x10240, in_proj_z and out_proj 5120x6144, in_proj_a/b) and launches ~48 x
-10 kernels: about a fifth of the forward's bytes, so the replay wins there too. Capturing the
-per-position recurrent states inside the verify pass would cost nothing extra but needs the gated
-delta rule itself re-implemented per model and per kernel (torch, fla), against transformers'
-internals that differ between 5.17 and 5.24; not done.
+10 kernels: about a fifth of the forward's bytes, so the replay wins there too.
+
+transformers 5.25 added a rollback of its own: `activate_past_recording(recurrent_states_to_keep=N)`
+makes the linear layers record their state after each of a forward's last N tokens, and `crop` picks
+one. It computes those N tokens one by one with the recurrent kernel instead of the chunked one, so a
+16-token verify would make 16 sequential steps in every linear layer; we keep N = 0 (the verify stays
+chunked) and crop those layers ourselves (`LinearStates.crop_others`), on 5.17 through 5.25 alike.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -61,6 +66,20 @@ def linear_layer_ids(cache) -> list[int]:
     return [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
+def past_recording_options() -> dict:
+    """Keywords for `Cache.activate_past_recording` that leave the linear layers' rollback to us.
+
+    transformers 5.25 can record a linear layer's recurrent state after each of a forward's last N tokens
+    (`recurrent_states_to_keep`), which it computes token by token with the recurrent kernel; left unset
+    it reads as None and the layer's forward fails. 0 keeps the verify forward chunked, as before."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:
+        return {}
+    params = inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+    return {"recurrent_states_to_keep": 0} if "recurrent_states_to_keep" in params else {}
+
+
 def _keep(src: torch.Tensor | None, buf: torch.Tensor | None) -> torch.Tensor | None:
     """A copy of src, into buf when buf fits (no allocation per verify step)."""
     if src is None:
@@ -76,8 +95,16 @@ class LinearStates:
     def __init__(self, cache):
         self.cache = cache
         self.layer_ids = linear_layer_ids(cache)
+        if self.layer_ids:
+            from transformers.cache_utils import CacheLayerMixin
+        for i in self.layer_ids:
+            if isinstance(cache.layers[i], CacheLayerMixin):
+                raise DFlashError(f"cache layer {i} ({type(cache.layers[i]).__name__}) holds linear and softmax "
+                                  "attention in one layer; rolling such a layer back is not supported")
         # (layer, state index) -> (window or None, recurrent state or None, has_previous_state)
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None, bool]] = {}
+        # transformers 5.25 counts the tokens a linear layer has seen (the cache's length when it is layer 0)
+        self._lengths: dict[int, torch.Tensor] = {}
 
     def __bool__(self) -> bool:
         return bool(self.layer_ids)
@@ -91,6 +118,9 @@ class LinearStates:
                 state = layer.recurrent_states[s] if layer.is_recurrent_states_initialized[s] else None
                 old = self._saved.get((i, s), (None, None, False))
                 self._saved[(i, s)] = (_keep(window, old[0]), _keep(state, old[1]), bool(layer.has_previous_state[s]))
+            length = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(length, torch.Tensor):
+                self._lengths[i] = _keep(length, self._lengths.get(i))
 
     def restore(self) -> None:
         """Put every linear-attention layer back as it was at the last `save()`."""
@@ -106,6 +136,17 @@ class LinearStates:
                     layer.conv_states[s] = window.clone()
             if state is not None:
                 layer.recurrent_states[s].copy_(state)
+        for i, length in self._lengths.items():
+            self.cache.layers[i].cumulative_length_linear.copy_(length)
+
+    def crop_others(self, drop: int) -> None:
+        """Remove the last `drop` positions from every layer but the linear-attention ones, which `restore`
+        and `MixerReplay` roll back (transformers' own crop of those needs recurrent states recorded per
+        token, see `past_recording_options`)."""
+        linear = set(self.layer_ids)
+        for i, layer in enumerate(self.cache.layers):
+            if i not in linear:
+                layer.crop(-drop)
 
 
 def _head(value, keep: int):
@@ -162,4 +203,4 @@ class MixerReplay:
         self._into = None
 
 
-__all__ = ["LinearStates", "MixerReplay", "linear_layer_ids", "MIXER_NAMES"]
+__all__ = ["LinearStates", "MixerReplay", "linear_layer_ids", "past_recording_options", "MIXER_NAMES"]
