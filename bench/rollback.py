@@ -4,12 +4,15 @@ A random Qwen3.5-shaped target (Gated DeltaNet + attention, 3:1) decodes prompts
 proposes the target's own greedy continuation but errs at every `--err-every`-th drafted slot, so
 rounds end in rejections at a steady rate (tau ~3 at block 8). Each way of rolling back runs the same
 prompts; seconds per prompt (median of --repeats), tau and whether the output equals plain decoding:
-  crop-only    transformers' `crop` alone: the convolution windows roll back, the recurrent states do
-               not (wrong; the floor of the cost)
+  crop-only    crop the attention layers, leave the linear ones as the verify left them (wrong; the
+               floor of the cost)
   replay       `dflash eval`'s way (eval/rollback.py): restore the states saved before the verify, re-run
                only the linear-attention modules on their captured inputs of the committed positions
   forward      restore the states, crop the attention layers back to the verify's start, and run the
                target again over the committed tokens
+  native       transformers' own, from 5.25: the verify records the recurrent state after each of its
+               tokens (`recurrent_states_to_keep` = the block), computing them one by one with the
+               recurrent kernel, and `crop` picks the committed one (absent on older transformers)
 
     python bench/rollback.py                                   # CPU, tiny shape (the docstring's numbers)
     python bench/rollback.py --device cuda --shape 27b --num-layers 8 --dtype bf16 --json OUT.json
@@ -30,16 +33,31 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import QWEN3_5_27B, QWEN3_5_TINY, save_json  # noqa: E402
 
-from dflash_pipeline.eval.models import Target  # noqa: E402
+from dflash_pipeline.eval.models import Target, TargetCache  # noqa: E402
+from dflash_pipeline.eval.rollback import past_recording_options  # noqa: E402
 from dflash_pipeline.eval.speculative import speculative_generate, target_generate  # noqa: E402
 
 
 class CropOnly(Target):
+    """Crops the attention layers and leaves the linear ones as the verify left them."""
+
     def crop(self, cache, length):
         drop = cache.length - length
         if drop > 0:
-            cache.kv.crop(-drop)
+            cache.states.crop_others(drop)
             cache.length = length
+
+
+def native(block: int):
+    class NativeRollback(Target):
+        def new_cache(self):
+            from transformers import DynamicCache
+
+            kv = DynamicCache(config=self.model.config)
+            kv.activate_past_recording(recurrent_states_to_keep=block)
+            return TargetCache(kv)  # no states: `Target.crop` is transformers' crop alone
+
+    return NativeRollback
 
 
 class ForwardReplay(Target):
@@ -54,7 +72,7 @@ class ForwardReplay(Target):
         if drop <= 0:
             return
         base = cache.saved_at
-        cache.kv.crop(-(cache.length - base))
+        cache.states.crop_others(cache.length - base)
         cache.length = base
         cache.states.restore()
         Target.forward(self, cache.last_ids[: length - base], base, cache)
@@ -120,7 +138,10 @@ def main() -> None:
     clock = time.perf_counter if args.device.startswith("cuda") else time.process_time
     results = {"clock": clock.__name__, "shape": shape, "device": args.device, "dtype": args.dtype, "block": args.block,
                "err_every": args.err_every, "prompts": args.prompts, "new_tokens": args.new_tokens, "ways": {}}
-    for name, cls in (("crop-only", CropOnly), ("replay", Target), ("forward", ForwardReplay)):
+    ways = [("crop-only", CropOnly), ("replay", Target), ("forward", ForwardReplay)]
+    if past_recording_options():
+        ways.append(("native", native(args.block)))
+    for name, cls in ways:
         target = cls(model)
         times, same, steps, committed = [], 0, 0, 0
         for r in range(args.repeats):

@@ -27,11 +27,13 @@ The fix, in two small parts that a static-cache decoding runner can reuse:
   at a committed position does not depend on any later (rejected) position, so this is exact.
 
 Measured, how to fold the committed tokens in again (bench/rollback.py: random qwen3_5 of 8 layers, 6 of
-them linear, hidden 64; fp32, one thread, CPU time; 4 prompts x 48 new tokens, block 8, a drafter that
-proposes the target's own continuation but errs at every 3rd drafted slot, tau 2.04), per verify round:
-  crop only (transformers' rollback; WRONG: leaves plain decoding on 4 of 4 prompts)   17.1 ms
-  restore + replay only the linear-attention modules (MixerReplay)                     26.6 ms
-  restore + a second target forward over the committed tokens                          32.9 ms
+them linear, hidden 64; fp32, one thread, CPU time; 4 prompts x 48 new tokens, a drafter that proposes
+the target's own continuation but errs at every 3rd drafted slot; transformers 5.25), per verify round,
+block 8 (tau 2.04) / block 16 (tau 2.94):
+  crop the attention layers only (WRONG: leaves plain decoding on 4 of 4 prompts)     33 / 40 ms
+  restore + replay only the linear-attention modules (MixerReplay)                    43-45 / 58 ms
+  transformers 5.25's own: per-token recurrent states recorded in the verify          46-48 / 71 ms
+  restore + a second target forward over the committed tokens                         56-62 / 73 ms
 On a GPU at batch 1 a forward is bound by reading the weights and by kernel launches. For a
 Qwen3.5-27B shape the second forward reads all 54 GB of weights again and launches every layer's
 kernels (~64 layers); the module replay reads the linear-attention projections of 48 layers
@@ -41,8 +43,10 @@ kernels (~64 layers); the module replay reads the linear-attention projections o
 transformers 5.25 added a rollback of its own: `activate_past_recording(recurrent_states_to_keep=N)`
 makes the linear layers record their state after each of a forward's last N tokens, and `crop` picks
 one. It computes those N tokens one by one with the recurrent kernel instead of the chunked one, so a
-16-token verify would make 16 sequential steps in every linear layer; we keep N = 0 (the verify stays
-chunked) and crop those layers ourselves (`LinearStates.crop_others`), on 5.17 through 5.25 alike.
+16-token verify makes 16 sequential steps in every linear layer: exact, but slower than the replay
+above (1.23x at block 16 on the CPU; on a GPU each step is a few more kernel launches per layer). We keep
+N = 0 (the verify stays chunked) and crop those layers ourselves (`LinearStates.crop_others`), on 5.17
+through 5.25 alike.
 """
 
 from __future__ import annotations
