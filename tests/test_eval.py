@@ -381,6 +381,7 @@ def test_verify_then_rollback_leaves_the_committed_states(model_type, monkeypatc
     states' own size; the block (chunked kernel) and token-by-token (recurrent kernel) paths agree to
     rounding."""
     from dflash_pipeline.eval import rollback
+
     model = tiny_hybrid(model_type)
     target = Target(model)
     prompt, block = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 8, 10, 11, 12, 13]
@@ -395,6 +396,7 @@ def test_verify_then_rollback_leaves_the_committed_states(model_type, monkeypatc
         rolled = fresh()
         target.forward(block, P, rolled)
         target.crop(rolled, P + keep)
+        assert int(rolled.kv.get_seq_length()) == P + keep  # 5.25 reads it from layer 0, a linear one
         stepwise = fresh()
         for j in range(keep):
             target.forward([block[j]], P + j, stepwise)
