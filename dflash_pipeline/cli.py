@@ -233,6 +233,7 @@ def train(
     log_every: int = typer.Option(10, "--log-every"),
     save_every: int = typer.Option(500, "--save-every"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's latest checkpoint."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="Start from the weights of an exported drafter (a run's final/, `dflash export`'s output, a published DFlash drafter) with a fresh optimizer: fine-tune it on this store, or train on. Its architecture must be the one the other options give."),
     stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Checkpoint and exit after N steps of this invocation (time-sliced jobs)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on a corrupt store segment instead of skipping it."),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute each drafter layer in backward: much less activation memory for about a third more compute (see BENCHMARKS.md, memory case)."),
@@ -257,7 +258,8 @@ def train(
                   max_length=max_length, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio,
                   grad_clip=grad_clip, mask_token_id=mask_token_id, ema=ema, gpus=gpus, eval_fraction=eval_fraction, eval_every=eval_every,
                   eval_tree_budget=_budgets(eval_tree_budget, "--eval-tree-budget"), eval_new_tokens=eval_new_tokens,
-                  log_every=log_every, save_every=save_every, resume=resume, stop_after=stop_after, strict=strict,
+                  log_every=log_every, save_every=save_every, resume=resume, init_from=init_from,
+                  stop_after=stop_after, strict=strict,
                   activation_checkpointing=activation_checkpointing, checkpoint_layers=checkpoint_layers,
                   ddp_bucket_mb=ddp_bucket_mb, compile=compile_kernels, seed=seed, num_workers=num_workers, wandb=wandb, tensorboard=tensorboard, device=device,
                   quiet=quiet)

@@ -177,6 +177,42 @@ def test_resume_refuses_changed_config_or_store(tiny_store, tmp_path):
         run_train(_cfg(tiny_store, tmp_path / "empty", steps=4, resume=True))
 
 
+def test_init_from_an_export_starts_from_its_weights(tiny_store, tmp_path):
+    """A run started from another run's export holds exactly its weights: at lr 0 (AdamW's decoupled decay is
+    lr x wd, so nothing moves) its own export is the same bytes, while a run from the seed differs. A drafter
+    of another architecture is refused in one line naming the field and the option that sets it, at the
+    command line too (no traceback); so is a folder that holds no export. Stopped and resumed, such a run
+    ends as the uninterrupted one does (the resume takes the checkpoint's weights, not the init's again)."""
+    from dflash_pipeline.cli import app
+    from typer.testing import CliRunner
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run_train(_cfg(tiny_store, a, steps=3))
+    weights = (a / "final" / "model.safetensors").read_bytes()
+    run_train(_cfg(tiny_store, b, steps=1, lr=0.0, init_from=str(a / "final")))
+    assert (b / "final" / "model.safetensors").read_bytes() == weights
+    assert json.loads((b / "config.json").read_text())["train"]["init_from"] == str(a / "final")
+    assert json.loads((b / "final" / "config.json").read_text())["dflash_pipeline"]["init_from"] == str(a / "final")
+    run_train(_cfg(tiny_store, c, steps=1, lr=0.0))
+    assert (c / "final" / "model.safetensors").read_bytes() != weights
+
+    with pytest.raises(DFlashError, match=r"num_layers 1 there, 2 here \(pass --num-layers\)"):
+        run_train(_cfg(tiny_store, tmp_path / "d", num_layers=2, init_from=str(a / "final")))
+    with pytest.raises(DFlashError, match="not an exported drafter"):
+        run_train(_cfg(tiny_store, tmp_path / "e", init_from=str(tmp_path)))
+    res = CliRunner().invoke(app, ["train", "--store", tiny_store, "--out", str(tmp_path / "f"), "--device", "cpu",
+                                   "--block-size", "8", "--num-layers", "1", "--init-from", str(a / "final")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "block_size 4 there, 8 here (pass --block-size)" in res.stderr and "\n" not in res.stderr.strip()
+
+    init = dict(steps=4, init_from=str(a / "final"))  # stopped and resumed: the checkpoint's weights, not the init's
+    run_train(_cfg(tiny_store, tmp_path / "whole", **init))
+    run_train(_cfg(tiny_store, tmp_path / "split", stop_after=2, **init))
+    run_train(_cfg(tiny_store, tmp_path / "split", resume=True, **init))
+    resumed = (tmp_path / "split" / "final" / "model.safetensors").read_bytes()
+    assert resumed == (tmp_path / "whole" / "final" / "model.safetensors").read_bytes() != weights
+
+
 def test_kl_without_topk_is_refused_but_the_default_recipe_trains_without_it(tmp_path, smollm_dir):
     _, store = extract_tiny_store(tmp_path, smollm_dir, n=6, topk=0, num_features=2)
     with pytest.raises(DFlashError, match="--kl-weight needs the teacher's top-k"):

@@ -92,6 +92,7 @@ class ModelConfig:
     mask_token_id: int | None = None     # default: the method's rule (see method.py)
     sliding_window: int | None = None
     swa_layers: list[int] = field(default_factory=list)
+    init_from: str | None = None         # an exported drafter whose weights start the run (fresh optimizer)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -109,7 +109,8 @@ def config_from_hf_dict(d: dict) -> DrafterConfig:
         raise ValueError(f"not a DFlash drafter config: {e!r}") from e
 
 
-def _clean_state_dict(state: dict) -> dict:
+def clean_state_dict(state: dict) -> dict:
+    """The state dict's names without the wrappers' prefixes (DDP's `module.`, torch.compile's `_orig_mod.`)."""
     out = {}
     for name, tensor in state.items():
         changed = True
@@ -139,7 +140,7 @@ def export_drafter(
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ValueError(f"export dtype must be bfloat16, float16 or float32, got {dtype}")
     state = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
-    state = _clean_state_dict(state)
+    state = clean_state_dict(state)
     with torch.device("meta"):
         expected = DFlashDrafter(cfg).state_dict()
     missing = sorted(set(expected) - set(state))
@@ -181,7 +182,7 @@ def load_exported(
     if not config_path.exists() or not weights_path.exists():
         raise ValueError(f"{directory}: not an exported drafter (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     cfg = config_from_hf_dict(json.loads(config_path.read_text()))
-    state = _clean_state_dict(load_file(str(weights_path), device=str(device)))
+    state = clean_state_dict(load_file(str(weights_path), device=str(device)))
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     model.load_state_dict(state, strict=True, assign=True)

@@ -93,3 +93,61 @@ def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype
 
 
 __all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors", "noise_scale"]
+
+
+# Options that set a drafter field, named in the error when an --init-from drafter differs from this run's.
+_FIELD_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--layers",
+                  "mask_token_id": "--mask-token-id", "layer_types": "--swa-layers", "sliding_window": "--sliding-window"}
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is None or b is None or abs(float(a) - float(b)) > 1e-9 * max(1.0, abs(float(a)))
+    return a != b
+
+
+def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The weights of an exported drafter (`dflash train`'s final/, `dflash export`, or the DFlash authors'
+    format) to start a run from, checked against the drafter this run builds: same architecture and the
+    same target (width, vocabulary, layers read). One line names what differs and the option that sets it."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from dflash_pipeline.train.export import CONFIG_NAME, WEIGHTS_NAME, clean_state_dict, config_from_hf_dict
+    from dflash_pipeline.train.model import DFlashDrafter
+
+    d = Path(directory)
+    missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (d / n).is_file()]
+    if missing:
+        raise DFlashError(f"--init-from {directory}: not an exported drafter (missing {', '.join(missing)})")
+    try:
+        theirs = config_from_hf_dict(json.loads((d / CONFIG_NAME).read_text()))
+    except ValueError as e:  # JSONDecodeError included
+        raise DFlashError(f"--init-from {directory}/{CONFIG_NAME}: {e}") from None
+    full = ["full_attention"]
+    diffs = []
+    for f in dataclasses.fields(DrafterConfig):
+        a, b = getattr(theirs, f.name), getattr(dcfg, f.name)
+        if f.name == "layer_types":  # empty means every layer full attention
+            a, b = a or full * theirs.num_layers, b or full * dcfg.num_layers
+        if _differs(a, b):
+            how = f"pass {_FIELD_OPTIONS[f.name]}" if f.name in _FIELD_OPTIONS else "a drafter of another target"
+            diffs.append(f"{f.name} {a} there, {b} here ({how})")
+    if diffs:
+        raise DFlashError(f"--init-from {directory}: the drafter differs from this run's: {'; '.join(diffs)}")
+    try:
+        state = clean_state_dict(load_file(str(d / WEIGHTS_NAME)))
+    except (SafetensorError, OSError) as e:
+        raise DFlashError(f"--init-from {directory}/{WEIGHTS_NAME}: cannot read it ({str(e).splitlines()[0]})") from None
+    with torch.device("meta"):
+        expected = DFlashDrafter(dcfg).state_dict()
+    wrong = sorted(set(expected) ^ set(state)) + sorted(
+        k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k].shape))
+    if wrong:
+        raise DFlashError(f"--init-from {directory}/{WEIGHTS_NAME}: weights do not match the config "
+                          f"({len(wrong)} tensors missing, extra or misshapen, e.g. {wrong[0]})")
+    return state

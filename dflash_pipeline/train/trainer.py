@@ -35,7 +35,8 @@ from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import LoaderState, store_fingerprint
-from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors, noise_scale
+from dflash_pipeline.train.from_store import (check_store_fits, drafter_config_for, frozen_tensors, init_state,
+                                              noise_scale)
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
@@ -59,7 +60,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     if proc is not None:
         return train_rank(proc, cfg)
     kind, nprocs = plan_processes(cfg.runtime.device, cfg.runtime.gpus, cfg.runtime.num_procs)
-    check_store_fits(cfg, StoreReader(cfg.data.store))   # user errors before any process starts
+    reader = StoreReader(cfg.data.store)
+    check_store_fits(cfg, reader)   # user errors before any process starts
+    if cfg.model.init_from and not cfg.output.resume:
+        init_state(cfg.model.init_from, drafter_config_for(cfg.model, reader))
     return launch(train_rank, (cfg,), nprocs=nprocs, kind=kind)[0]
 
 
@@ -131,6 +135,9 @@ class Trainer:
         model = DFlashDrafter(dcfg, DrafterOptions(checkpoint_layers=checkpointed,
                                                    compile_kernels=None if rt.compile else False))
         init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
+        if cfg.model.init_from and not cfg.output.resume:  # a resumed run takes its checkpoint's weights
+            model.load_state_dict(init_state(cfg.model.init_from, dcfg))
+            self.line.say(f"weights from {cfg.model.init_from} (the optimizer and its schedule start afresh)")
         model.to(self.device)
         self.line.say(f"drafter: {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, "
                       f"{model.num_parameters() / 1e6:.1f}M trainable parameters; block {dcfg.block_size}, features "
@@ -381,7 +388,8 @@ class Trainer:
 
         return export_drafter(self.ema or self.model.state_dict(), self.dcfg, self.run_dir / "final", extra={
             "dflash_pipeline": {"store_fingerprint": self.store_fp, "step": self.step, "ema": self.cfg.optim.ema,
-                                "eval": self.last_eval, "tool_version": __version__}})
+                                "init_from": self.cfg.model.init_from, "eval": self.last_eval,
+                                "tool_version": __version__}})
 
     def _final_words(self, summary: dict[str, Any], ckpt: Path | None) -> str:
         if summary["finished"]:
