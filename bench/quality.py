@@ -202,6 +202,7 @@ class Bench:
         self.stores: list[str] = list(DEFAULT_STORES)  # --stores: the stores this run extracts
         self.variant_stores: list[str] = ["orig-bf16", "regen-fp8"]  # --variant-stores
         self.recipe_store = "regen-bf16"  # --recipe-store: where part `recipes` trains
+        self.init_from: str | None = None  # --init-from: the drafter every training of this call starts from
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -276,7 +277,8 @@ class Bench:
               "max_length": p.row_len, "max_anchors": p.max_anchors, "log_every": p.log_every,
               "num_workers": p.num_workers, "eval_fraction": p.eval_fraction, "save_every": 0,
               "eval_every": p.eval_every, "eval_new_tokens": p.eval_new_tokens,
-              **({"eval_tree_budget": p.eval_trees} if p.eval_trees else {}), **self.recipe_args(recipe)}
+              **({"eval_tree_budget": p.eval_trees} if p.eval_trees else {}),
+              **({"init_from": self.init_from} if self.init_from else {}), **self.recipe_args(recipe)}
         return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
     def train_job(self, run: Run) -> Job:
@@ -295,7 +297,8 @@ class Bench:
 
         def finish(rc: int) -> None:
             if out.exists():
-                meta = {"recipe": run.recipe, "store": run.store, "steps": run.steps, "part": run.part}
+                meta = {"recipe": run.recipe, "store": run.store, "steps": run.steps, "part": run.part,
+                        "init_from": self.init_from}
                 (out / "quality-run.json").write_text(json.dumps(meta))
             done()
 
@@ -699,6 +702,9 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
                     "the chat T=0 evals also verify, e.g. 16,64 (the chain, budget 0, is always measured)")
+    ap.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
+                    help="every training of this call starts from this exported drafter's weights (`dflash train "
+                    "--init-from`): a drafter an earlier session returned trains on (a fresh optimizer and schedule)")
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
     for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile",
@@ -720,6 +726,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     b = Bench(a.root, a.target, plan, a.smoke, a.redo)
     b.best_override, b.recipe_store = a.best, a.recipe_store
+    b.init_from = str(Path(a.init_from).resolve()) if a.init_from else None
     b.recipes, b.stores, b.variant_stores = (_names(text, known, flag) for text, known, flag in (
         (a.recipes, RECIPES, "--recipes"), (a.stores, STORES, "--stores"),
         (a.variant_stores, tuple(VARIANT_TAGS), "--variant-stores")))

@@ -26,6 +26,10 @@
 # ($OUT/regen-data/regen-data.tgz.part-*: files come back at most 16 MiB each; 40,000 replies are ~26 MB).
 # Copied into .qregen/ here, a later session's setup restores them and part `data` skips the generation
 # (~4 minutes of device time at 40,000 replies). An older single .qinputs/regen-data.tgz is read as well.
+# A drafter that came back ($OUT/drafter-NAME/: config.json + drafter-part-*) trains on in a later session:
+# copied here into .qdrafter/ (~39 MB for SmolLM2's 5 layers: alone in a call, or with .m3 only where the
+# sum stays under 64 MiB), restored by setup into /tmp/keep/init, and Q_ARGS="--init-from /tmp/keep/init"
+# starts every training of the call from its weights (a fresh optimizer and schedule).
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
 # resume from their SIGTERM checkpoints, finished runs and evals are skipped).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
@@ -77,8 +81,8 @@ setup)
   # Restores whatever this call carries, so that a carry over the 64 MiB can be split over calls (e.g. the
   # larger inputs of `--turns all`: call 1 `.m1 .whl`, call 2 `.qinputs`, both `setup`; then `run` with .m2).
   mkdir -p $root
-  [ -d .m1 ] || [ -d .m2 ] || [ -d .qinputs ] || [ -d .whl ] || [ -d .qregen ] \
-    || { echo "setup: carry .m1, .m2, .whl, .qinputs and/or .qregen"; exit 1; }
+  [ -d .m1 ] || [ -d .m2 ] || [ -d .qinputs ] || [ -d .whl ] || [ -d .qregen ] || [ -d .qdrafter ] \
+    || { echo "setup: carry .m1, .m2, .whl, .qinputs, .qregen and/or .qdrafter"; exit 1; }
   for part in .m1/p0 .m2/p1; do if [ -f $part ]; then cp $part $keep/ || exit 1; fi; done
   if [ -f .qinputs/inputs.tgz ]; then tar xzf .qinputs/inputs.tgz -C $root && echo "inputs restored" || exit 1; fi
   # the regenerated conversations of an earlier session (its $OUT/regen-data.tgz, copied into .qinputs/):
@@ -86,6 +90,10 @@ setup)
   if [ -f .qinputs/regen-data.tgz ]; then tar xzf .qinputs/regen-data.tgz -C $root && echo "regenerated data restored"; fi
   if ls .qregen/regen-data.tgz.part-* > /dev/null 2>&1; then
     cat .qregen/regen-data.tgz.part-* | tar xz -C $root && echo "regenerated data restored (.qregen)" || exit 1
+  fi
+  if [ -f .qdrafter/config.json ]; then  # a returned drafter, to train on (--init-from $keep/init)
+    mkdir -p $keep/init && cp .qdrafter/*.json $keep/init/ && cat .qdrafter/drafter-part-* > $keep/init/model.safetensors \
+      && echo "drafter restored: --init-from $keep/init" || exit 1
   fi
   if [ -f .qinputs/tokenizer.tgz ]; then tar xzf .qinputs/tokenizer.tgz -C $keep && echo "TOKENIZER=$keep/tokenizer"; fi
   if [ -d .whl ]; then $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1; fi

@@ -168,6 +168,10 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
             "real tau chat T=1", "real tau code T=0", "speedup (alone)", "lossless", "train tok/s"]
     trained_on = sorted({r.get("store") for r in b.read("recipes").get("runs", [])} - {None}) or ["regen-bf16"]
     where = "the regenerated bf16 store" if trained_on == ["regen-bf16"] else f"store {', '.join(trained_on)}"
+    metas = [b.run_dir(n) / "quality-run.json" for n in recipe_names]
+    inits = sorted({json.loads(m.read_text()).get("init_from") for m in metas if m.exists()} - {None})
+    if inits:  # runs that trained on from a drafter an earlier session returned
+        where += f", each continued from {', '.join(Path(i).name for i in inits)} (`--init-from`)"
     out += [f"## Recipes on {where}, {steps} steps each (best: {best})",
             _table(head, _recipe_rows(b, recipe_names)), ""]
     rec["recipes"] = {n: run_row(b, n) for n in recipe_names}

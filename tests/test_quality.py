@@ -392,6 +392,29 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     assert "## Recipes on store regen-fp8, " in md
 
 
+def test_init_from_reaches_every_training_and_the_summary(tmp_path, monkeypatch):
+    """--init-from: a drafter returned by an earlier session trains on; every training of the call starts from
+    it (`dflash train --init-from`), its run records say so, and the summary's recipes heading too."""
+    import quality
+    from quality_summary import build_summary
+
+    ran: list = []
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=True)
+    (b.root / "stores" / "regen-bf16.json").write_text("{}")
+    b.recipes, b.init_from = ["ce", "kl15-cap-noise"], str(tmp_path / "drafter-kl15-cap-noise")
+    quality.part_recipes(b, None)
+    train = [j for j in ran if j.kind == "train"]
+    assert [_opt(j.cmd(), "--init-from") for j in train] == [[b.init_from]] * 2
+    run = b.run_dir("ce")
+    run.mkdir(parents=True)
+    train[0].finish(0)
+    assert json.loads((run / "quality-run.json").read_text())["init_from"] == b.init_from
+    (run / "summary.json").write_text("{}")
+    md, _ = build_summary(b)
+    assert "each continued from drafter-kl15-cap-noise (`--init-from`)" in md
+
+
 def test_only_the_alone_eval_compiles_when_asked(tmp_path):
     """--eval-compile 1 times the speedup with compiled kernels; the shared evals stay as they were."""
     import dataclasses
