@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding import graphs
-from dflash_pipeline.decoding.graphs import GraphedStep, RecompileRequested, no_compiling
+from dflash_pipeline.decoding.graphs import GraphedStep, RecompileRequested, no_collection, no_compiling
 
 
 @pytest.fixture
@@ -103,3 +103,24 @@ def test_a_step_that_recompiles_at_every_call_fails_with_a_clear_error(compiled,
     with pytest.raises(RuntimeError, match=f"after {graphs.CAPTURE_ATTEMPTS} warm-ups.*without compiling"):
         g()
     assert g.graph is None
+
+
+def test_no_collection_pauses_the_collector_and_restores_it():
+    """Inside a capture no cyclic garbage collection runs (one could release CUDA objects mid-capture);
+    after it the collector is as it was, an error inside included."""
+    import gc
+
+    assert gc.isenabled()
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), no_collection():
+        raise KeyError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled()   # left disabled, as the caller had it
+    finally:
+        gc.enable()

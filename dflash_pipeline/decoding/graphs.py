@@ -5,8 +5,13 @@ inputs are written into buffers before a call, its outputs copied into buffers i
 first call warms it up on a side stream (kernel selection, lazy allocations, cuBLAS workspaces), then
 captures it; every call after that is one `graph.replay()`. Nothing compiles inside a capture: where a
 compiled function's guards fail there, the capture is given up before anything ran, and the step warms
-up once more and captures again (`no_compiling`). Elsewhere it is the function itself, so
-the CPU tests run the same code the GPU replays.
+up once more and captures again (`no_compiling`). Nor does Python's cyclic garbage collector run inside
+one (`no_collection`): torch no longer collects before a capture (`force_cudagraph_gc`, off by default),
+so a collection falling inside it would release whatever earlier code left in reference cycles
+(compiled modules, events, other runs' objects), and a CUDA call such a release makes, illegal inside a
+capture, would end it. That is our suspect for a Gemma 3 capture test that failed only after other test
+files had run in the same process ("operation failed due to a previous error during capture"); not yet
+confirmed on a GPU. Elsewhere it is the function itself, so the CPU tests run the same code the GPU replays.
 
 Graphs of one runner share a memory pool: they replay one at a time on one stream, and none of them
 leaves a live tensor in the pool (outputs live in buffers allocated outside any capture), so a later
@@ -18,6 +23,7 @@ the end; the host clock on the CPU.
 
 from __future__ import annotations
 
+import gc
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -52,7 +58,7 @@ class GraphedStep:
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self.pool), no_compiling():
+                with no_collection(), torch.cuda.graph(graph, pool=self.pool), no_compiling():
                     self.fn()
             except RecompileRequested as e:
                 reason, warmup = e, 1   # compile it outside the capture, then capture again
@@ -92,6 +98,18 @@ def no_compiling():
         if "fail_on_recompile" in str(e) and not isinstance(e, RecompileRequested):
             raise RecompileRequested(str(e)) from e
         raise
+
+
+@contextmanager
+def no_collection():
+    """Python's cyclic garbage collector paused inside (as it was outside, after)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def new_pool(device: torch.device):
