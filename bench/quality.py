@@ -160,6 +160,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     # about as many block tokens (4x, at 64, would ask the loader for ~180K tok/s)
     "kl15-cap-noise-a128x2": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "max_anchors": 128,
                               "tokens_per_batch": "BATCHx2"},
+    # + a 3x learning rate: 6e-4 is the paper's for drafters of 8B targets, never ablated here; a 19M-parameter
+    # drafter usually takes a larger one, and every run so far was still learning when its cosine schedule ran
+    # out (the held-out estimate flattened only as the rate decayed, 2026-12-01 to 12-03)
+    "kl15-cap-noise-lr3x": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "lr": 1.8e-3},
     # the seed run's configuration: block 32, gamma 10, sliding-window layers 0-3, KL, CAP, noise
     "b32-seed": {"block_size": 32, "gamma": 10.0, "kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE",
                  "sliding_window": "WINDOW", "swa_layers": "ALL_BUT_LAST"},   # 0-3 of 5 layers
