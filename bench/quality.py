@@ -162,7 +162,8 @@ RECIPES: dict[str, dict[str, Any]] = {
                               "tokens_per_batch": "BATCHx2"},
     # + a 3x learning rate: 6e-4 is the paper's for drafters of 8B targets, never ablated here; a 19M-parameter
     # drafter usually takes a larger one, and every run so far was still learning when its cosine schedule ran
-    # out (the held-out estimate flattened only as the rate decayed, 2026-12-01 to 12-03)
+    # out (the held-out estimate flattened only as the rate decayed, 2026-12-01 to 12-03). At demo scale on the
+    # CPU it trailed 6e-4 (held-out acc 0.039 against 0.046 at 160 steps, BENCHMARKS.md): a GPU check, not a lead
     "kl15-cap-noise-lr3x": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "lr": 1.8e-3},
     # the seed run's configuration: block 32, gamma 10, sliding-window layers 0-3, KL, CAP, noise
     "b32-seed": {"block_size": 32, "gamma": 10.0, "kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE",

@@ -7,6 +7,10 @@ tokenizer, its embedding and its LM head, and these functions read only that.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import torch
 
 from dflash_pipeline.errors import DFlashError
@@ -92,9 +96,6 @@ def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype
     return Frozen(embed, head, float(attrs.get("embedding_scale") or 1.0))
 
 
-__all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors", "noise_scale"]
-
-
 # Options that set a drafter field, named in the error when an --init-from drafter differs from this run's.
 _FIELD_OPTIONS = {"num_layers": "--num-layers", "block_size": "--block-size", "target_layer_ids": "--layers",
                   "mask_token_id": "--mask-token-id", "layer_types": "--swa-layers", "sliding_window": "--sliding-window"}
@@ -110,10 +111,6 @@ def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
     """The weights of an exported drafter (`dflash train`'s final/, `dflash export`, or the DFlash authors'
     format) to start a run from, checked against the drafter this run builds: same architecture and the
     same target (width, vocabulary, layers read). One line names what differs and the option that sets it."""
-    import dataclasses
-    import json
-    from pathlib import Path
-
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -151,3 +148,6 @@ def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
         raise DFlashError(f"--init-from {directory}/{WEIGHTS_NAME}: weights do not match the config "
                           f"({len(wrong)} tensors missing, extra or misshapen, e.g. {wrong[0]})")
     return state
+
+
+__all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors", "init_state", "noise_scale"]
