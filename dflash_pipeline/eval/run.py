@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from dflash_pipeline.decoding.tree import check_tree_target
+from dflash_pipeline.train.export import load_drafter, read_drafter_config
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
 from dflash_pipeline.eval.lossless import check_greedy, teacher_forcing
@@ -138,34 +139,6 @@ def check_pairing(drafter_cfg, *, hidden_size: int, num_layers: int, vocab_rows:
                         f"the target has {num_layers}")
     if problems:
         raise DFlashError(f"{where}: {'; '.join(problems)}; evaluate the drafter against the target it was trained for")
-
-
-def read_drafter_config(directory: str):
-    from dflash_pipeline.train.export import CONFIG_NAME, WEIGHTS_NAME, config_from_hf_dict
-
-    d = Path(directory)
-    if not d.is_dir():
-        raise DFlashError(f"{directory}: no such drafter folder")
-    missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (d / n).is_file()]
-    if missing:
-        raise DFlashError(f"{directory}: not an exported drafter (missing {', '.join(missing)}); "
-                          f"write one with `dflash export`")
-    try:
-        return config_from_hf_dict(json.loads((d / CONFIG_NAME).read_text()))
-    except ValueError as e:  # JSONDecodeError included
-        raise DFlashError(f"{directory}/{CONFIG_NAME}: {e}") from None
-
-
-def load_drafter(directory: str, dtype: torch.dtype, device: torch.device):
-    from safetensors import SafetensorError
-
-    from dflash_pipeline.train.export import load_exported
-
-    try:
-        model, _ = load_exported(directory, dtype=dtype, device=device)
-    except (ValueError, RuntimeError, OSError, SafetensorError) as e:  # a damaged file, a state-dict mismatch
-        raise DFlashError(f"{directory}: cannot load the drafter weights ({str(e).splitlines()[0]})") from None
-    return model
 
 
 def _target_shape(config) -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig
 
 WEIGHTS_NAME = "model.safetensors"
@@ -187,3 +188,30 @@ def load_exported(
         model = DFlashDrafter(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=device, dtype=dtype), cfg
+
+
+def read_drafter_config(directory: str) -> DrafterConfig:
+    """An exported drafter's config, or one line saying why the folder holds none (a user error)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise DFlashError(f"{directory}: no such drafter folder")
+    missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (d / n).is_file()]
+    if missing:
+        raise DFlashError(f"{directory}: not an exported drafter (missing {', '.join(missing)}); "
+                          f"write one with `dflash export`")
+    try:
+        return config_from_hf_dict(json.loads((d / CONFIG_NAME).read_text()))
+    except ValueError as e:  # JSONDecodeError included
+        raise DFlashError(f"{directory}/{CONFIG_NAME}: {e}") from None
+
+
+def load_drafter(directory: str, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    """`load_exported`'s model, its failures (a damaged file, a state-dict mismatch) as one-line user errors."""
+    from safetensors import SafetensorError
+
+    try:
+        model, _ = load_exported(directory, dtype=dtype, device=device)
+    except (ValueError, RuntimeError, OSError, SafetensorError) as e:
+        raise DFlashError(f"{directory}: cannot load the drafter weights ({str(e).splitlines()[0]})") from None
+    return model
+

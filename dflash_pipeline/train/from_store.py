@@ -8,8 +8,6 @@ tokenizer, its embedding and its LM head, and these functions read only that.
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 
@@ -107,24 +105,15 @@ def _differs(a, b) -> bool:
     return a != b
 
 
-def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """The weights of an exported drafter (`dflash train`'s final/, `dflash export`, or the DFlash authors'
-    format) to start a run from, checked against the drafter this run builds: same architecture and the
-    same target (width, vocabulary, layers read). One line names what differs and the option that sets it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def check_init(directory: str, dcfg: DrafterConfig) -> None:
+    """Refuse an --init-from drafter unlike the one this run builds: another architecture or another target
+    (width, vocabulary, layers read). One line names what differs and the option that sets it."""
+    from dflash_pipeline.train.export import read_drafter_config
 
-    from dflash_pipeline.train.export import CONFIG_NAME, WEIGHTS_NAME, clean_state_dict, config_from_hf_dict
-    from dflash_pipeline.train.model import DFlashDrafter
-
-    d = Path(directory)
-    missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (d / n).is_file()]
-    if missing:
-        raise DFlashError(f"--init-from {directory}: not an exported drafter (missing {', '.join(missing)})")
     try:
-        theirs = config_from_hf_dict(json.loads((d / CONFIG_NAME).read_text()))
-    except ValueError as e:  # JSONDecodeError included
-        raise DFlashError(f"--init-from {directory}/{CONFIG_NAME}: {e}") from None
+        theirs = read_drafter_config(directory)
+    except DFlashError as e:
+        raise DFlashError(f"--init-from {e}") from None
     full = ["full_attention"]
     diffs = []
     for f in dataclasses.fields(DrafterConfig):
@@ -136,18 +125,19 @@ def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
             diffs.append(f"{f.name} {a} there, {b} here ({how})")
     if diffs:
         raise DFlashError(f"--init-from {directory}: the drafter differs from this run's: {'; '.join(diffs)}")
+
+
+def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The weights of an exported drafter (`dflash train`'s final/, `dflash export`, or the DFlash authors'
+    format) to start a run from, once `check_init` accepts it: they then have this run's names and shapes
+    (loaded strictly against the same config)."""
+    from dflash_pipeline.train.export import load_drafter
+
+    check_init(directory, dcfg)
     try:
-        state = clean_state_dict(load_file(str(d / WEIGHTS_NAME)))
-    except (SafetensorError, OSError) as e:
-        raise DFlashError(f"--init-from {directory}/{WEIGHTS_NAME}: cannot read it ({str(e).splitlines()[0]})") from None
-    with torch.device("meta"):
-        expected = DFlashDrafter(dcfg).state_dict()
-    wrong = sorted(set(expected) ^ set(state)) + sorted(
-        k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k].shape))
-    if wrong:
-        raise DFlashError(f"--init-from {directory}/{WEIGHTS_NAME}: weights do not match the config "
-                          f"({len(wrong)} tensors missing, extra or misshapen, e.g. {wrong[0]})")
-    return state
+        return load_drafter(directory, torch.float32, torch.device("cpu")).state_dict()
+    except DFlashError as e:
+        raise DFlashError(f"--init-from {e}") from None
 
 
-__all__ = ["check_store_fits", "drafter_config_for", "frozen_tensors", "init_state", "noise_scale"]
+__all__ = ["check_init", "check_store_fits", "drafter_config_for", "frozen_tensors", "init_state", "noise_scale"]

@@ -35,8 +35,8 @@ from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import LoaderState, store_fingerprint
-from dflash_pipeline.train.from_store import (check_store_fits, drafter_config_for, frozen_tensors, init_state,
-                                              noise_scale)
+from dflash_pipeline.train.from_store import (check_init, check_store_fits, drafter_config_for, frozen_tensors,
+                                              init_state, noise_scale)
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
@@ -63,7 +63,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     reader = StoreReader(cfg.data.store)
     check_store_fits(cfg, reader)   # user errors before any process starts
     if cfg.model.init_from and not cfg.output.resume:
-        init_state(cfg.model.init_from, drafter_config_for(cfg.model, reader))
+        check_init(cfg.model.init_from, drafter_config_for(cfg.model, reader))   # its weights: read by each rank
     return launch(train_rank, (cfg,), nprocs=nprocs, kind=kind)[0]
 
 
