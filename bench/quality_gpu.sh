@@ -40,7 +40,10 @@
 #      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke), BG_PARTS (bench/gpu_all.sh parts that `run` starts beside
-#      the quality parts and waits for before packing $OUT, e.g. "cuda-tests": results in $OUT/gpu-all)
+#      the quality parts and waits for before packing $OUT, e.g. "cuda-tests": results in $OUT/gpu-all.tgz; what
+#      still runs DEADLINE + BG_GRACE (20) seconds after the call began is stopped), MAX_FILES (files that come
+#      back per call, default 8: the log and results first, then a drafter, the regenerated data, summary.md;
+#      what finds no room comes with the next call)
 set -uo pipefail
 cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...}
 shift
@@ -107,32 +110,42 @@ run)
   export PYTHONPATH=$keep/site:$PWD DFLASH_CACHE=$keep/cache PYTHONUNBUFFERED=1
   mkdir -p $root
   df -h /tmp | tail -1
+  start=$SECONDS
   bg=
   if [ -n "${BG_PARTS:-}" ]; then  # bench/gpu_all.sh parts beside this call's (e.g. cuda-tests): one call, both
-    TOKENIZER=$keep/tokenizer bash bench/gpu_all.sh "${OUT:-$keep}/gpu-all" $BG_PARTS > $keep/bg.log 2>&1 &
+    # its own session, so that what is still running at the deadline can be stopped whole
+    TOKENIZER=$keep/tokenizer setsid bash bench/gpu_all.sh $keep/gpu-all $BG_PARTS > $keep/bg.log 2>&1 &
     bg=$!
   fi
   $py bench/quality.py "$@" --root $root --target $gguf --deadline "${DEADLINE:-500}" ${Q_ARGS:-} 2>&1 | tee -a $root/log.txt
   rc=${PIPESTATUS[0]}
-  if [ -n "$bg" ]; then wait $bg; grep "^===" $keep/bg.log; fi   # gpu_all.sh limits each part's time itself
-  if [ -n "${OUT:-}" ]; then
-    $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
-    cp $root/summary.md $OUT/ 2>/dev/null
-    tail -c 4000000 $root/log.txt > $OUT/log.txt
-    if [ -f $root/data/regen.done ] && [ ! -f $root/data/.regen-returned ]; then
-      # once, in 15 MiB parts (files come back at most 16 MiB each); here: copy them into .qregen/
-      mkdir -p $OUT/regen-data
-      (cd $root && tar czf - data/regen data/regen.done results/data.json \
-        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $OUT/regen-data/regen-data.tgz.part- \
-        && touch $root/data/.regen-returned
+  if [ -n "$bg" ]; then
+    # gpu_all.sh limits each part, not their sum: past the deadline (+ BG_GRACE s) the parts still running
+    # are stopped, so that the packing below always happens inside the call (a call once timed out waiting)
+    while kill -0 $bg 2>/dev/null && [ $((SECONDS - start)) -lt $((${DEADLINE:-500} + ${BG_GRACE:-20})) ]; do sleep 2; done
+    if kill -0 $bg 2>/dev/null; then
+      # by session: gpu_all.sh's `timeout` puts each part into a process group of its own
+      pkill -TERM -s $bg; sleep 5; pkill -KILL -s $bg
+      echo "=== background parts stopped at the deadline (${BG_PARTS})" | tee -a $keep/bg.log
     fi
+    wait $bg 2>/dev/null; grep "^===" $keep/bg.log
+  fi
+  if [ -n "${OUT:-}" ]; then
+    # Files come back at most MAX_FILES (8) per call: the log and the results first, then a drafter, then the
+    # regenerated data; what finds no room waits for the next call (nothing is marked returned before it goes)
+    room() { [ $(( $(find "$OUT" -type f | wc -l) + $1 )) -le "${MAX_FILES:-8}" ]; }
+    if [ -d $keep/gpu-all ]; then tar czf $OUT/gpu-all.tgz -C $keep gpu-all bg.log && rm -rf $keep/gpu-all; fi
+    $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
+    tail -c 4000000 $root/log.txt > $OUT/log.txt
     (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
       runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
       runs/*/final/config.json 2>/dev/null)
     send() {  # send NAME DIR: an exported drafter back to this machine. Files come back at most 16 MiB
       # each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
-      mkdir -p "$OUT/drafter-$1" && cp "$2/"*.json "$OUT/drafter-$1/" 2>/dev/null
-      split -b 15m "$2/"*.safetensors "$OUT/drafter-$1/drafter-part-"
+      local w; w=$(ls "$2/"*.safetensors | head -1)
+      local n=$(( $(ls "$2/"*.json | wc -l) + ($(stat -c %s "$w") + 15728639) / 15728640 ))
+      room $n || { echo "drafter $1: no room among the files that come back; it goes with the next call"; return 1; }
+      mkdir -p "$OUT/drafter-$1" && cp "$2/"*.json "$OUT/drafter-$1/" && split -b 15m "$w" "$OUT/drafter-$1/drafter-part-"
     }
     keep_run=${KEEP_DRAFTER:-}
     if [ -z "$keep_run" ]; then  # by default the newest finished drafter, once: a machine lost before its
@@ -154,6 +167,18 @@ run)
         fi
       fi
     fi
+    if [ -f $root/data/regen.done ] && [ ! -f $root/data/.regen-returned ]; then
+      # once, in 15 MiB parts (files come back at most 16 MiB each); here: copy them into .qregen/
+      tmp=$keep/regen-parts && rm -rf $tmp && mkdir -p $tmp
+      (cd $root && tar czf - data/regen data/regen.done results/data.json \
+        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $tmp/regen-data.tgz.part-
+      if room "$(ls $tmp | wc -l)"; then
+        mv $tmp $OUT/regen-data && touch $root/data/.regen-returned
+      else
+        echo "regenerated data: no room among the files that come back; it goes with the next call"
+      fi
+    fi
+    if room 1; then cp $root/summary.md $OUT/ 2>/dev/null; fi   # also inside quality-results.tgz
     ls -la $OUT
   fi
   df -h /tmp | tail -1
