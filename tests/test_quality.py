@@ -370,7 +370,7 @@ def test_sampled_regeneration_and_the_mixed_store_are_planned(tmp_path, monkeypa
 def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     """--recipe-store regen-fp8: every recipe run of part `recipes` reads that store, the summary says so,
     and the deeper, sparser and faster recipes reach `dflash train` as 8 layers / 128 anchors over twice the
-    tokens / a 3x learning rate (the others keep the default)."""
+    tokens / 64 over four times / a 3x learning rate (the others keep the default)."""
     import quality
     from quality_summary import build_summary
 
@@ -378,7 +378,8 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
     b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=False)   # smoke=True keeps one step's tokens
     (b.root / "stores" / "regen-fp8.json").write_text("{}")
-    b.recipes = ["kl15-cap-noise", "kl15-cap-noise-l8", "kl15-cap-noise-a128x2", "kl15-cap-noise-lr3x"]
+    b.recipes = ["kl15-cap-noise", "kl15-cap-noise-l8", "kl15-cap-noise-a128x2", "kl15-cap-noise-a64x4",
+                 "kl15-cap-noise-lr3x"]
     b.recipe_store = "regen-fp8"
     quality.part_recipes(b, None)
     train = {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran if j.kind == "train"}
@@ -390,6 +391,9 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     sparse = train["kl15-cap-noise-a128x2"]
     assert _opt(sparse, "--max-anchors") == ["128"]
     assert _opt(sparse, "--tokens-per-batch") == [str(2 * quality.SMOKE.tokens_per_batch)]
+    sparser = train["kl15-cap-noise-a64x4"]
+    assert _opt(sparser, "--max-anchors") == ["64"]
+    assert _opt(sparser, "--tokens-per-batch") == [str(4 * quality.SMOKE.tokens_per_batch)]
     assert _opt(train["kl15-cap-noise-lr3x"], "--lr") == ["0.0018"] and not _opt(train["kl15-cap-noise"], "--lr")
     md, _ = build_summary(b)
     assert "## Recipes on store regen-fp8, " in md
