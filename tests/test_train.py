@@ -253,6 +253,31 @@ def test_noise_far_above_its_measured_scale_is_called_out(tiny_store):
     assert max(noise_scale(suggested, StoreReader(tiny_store))[0]) == pytest.approx(0.065, rel=0.01)
 
 
+def test_anchor_coverage_counts_the_positions_the_sampler_draws(tiny_store):
+    """The share `--max-anchors` covers is the sampler's own: min(A, candidates) over the candidates of every
+    sample (p and p+1 supervised), read from the loss masks; a dense setting is called out with fewer anchors
+    over proportionally more tokens per batch, a sparse one is not."""
+    from dflash_pipeline.train.blocks import anchor_candidates
+    from dflash_pipeline.train.from_store import DENSE_ANCHOR_COVERAGE, anchor_coverage
+
+    reader = StoreReader(tiny_store)
+    cand = []
+    for i in range(reader.num_samples):
+        mask = torch.from_numpy(np.asarray(reader.read_sample(i).loss_mask_T))
+        cand.append(int(anchor_candidates(mask, torch.zeros(len(mask), dtype=torch.long)).sum()))
+    cand = np.asarray(cand)
+    for a in (4, 16, 10_000):
+        cov, text = anchor_coverage(a, 256, reader)
+        assert cov == pytest.approx(np.minimum(cand, a).sum() / cand.sum(), abs=0.05), a
+        assert f"up to {a} a sample, {cov:.0%} of the supervised positions" in text
+    dense, text = anchor_coverage(10_000, 256, reader)
+    assert dense == pytest.approx(1.0, abs=0.05) and "try --max-anchors" in text
+    fewer, tokens = (int(x) for x in text.split("try --max-anchors ")[1].split(" --tokens-per-batch "))
+    sparse, sparse_text = anchor_coverage(fewer, tokens, reader)
+    assert fewer < int(np.median(cand)) and sparse <= DENSE_ANCHOR_COVERAGE and tokens > 256 and tokens % 256 == 0
+    assert "try" not in sparse_text and "try" not in anchor_coverage(4, 256, reader)[1]
+
+
 def test_training_learns(tiny_store, tmp_path):
     run = tmp_path / "learn"
     summary = run_train(_cfg(tiny_store, run, steps=40, num_layers=2, lr=5e-3, log_every=5))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from dflash_pipeline.errors import DFlashError
@@ -86,6 +87,38 @@ def noise_scale(noise: float, reader: StoreReader) -> tuple[list[float | None], 
     return ratios, text
 
 
+# Above this share of a sample's supervised positions drawn as anchors every step, neighbouring blocks teach
+# nearly the same thing: on the 40,000-question SmolLM2 store (~265 supervised tokens a sample), 512 anchors
+# (~all positions) trailed 128 over twice the tokens per step at about equal block tokens (held-out tau
+# estimate 2.06 against 2.43 at 1,500 steps, real chat tau 2.56; BENCHMARKS.md, 2026-12-03)
+DENSE_ANCHOR_COVERAGE = 0.75
+
+
+def _coverage(max_anchors: int, candidates: np.ndarray) -> float:
+    return float(np.minimum(candidates, max_anchors).sum() / max(int(candidates.sum()), 1))
+
+
+def anchor_coverage(max_anchors: int, tokens_per_batch: int, reader: StoreReader) -> tuple[float, str]:
+    """The share of the store's anchor positions (about each sample's supervised tokens less one) that
+    `--max-anchors` draws every step, and a line that says it; where nearly every position is an anchor, the
+    line suggests fewer anchors over proportionally more tokens per batch (the same block tokens a step)."""
+    candidates = np.maximum(reader.column("supervised").astype(np.int64) - 1, 0)
+    if not candidates.sum():
+        return 0.0, "anchors: the store has no supervised positions"
+    cov = _coverage(max_anchors, candidates)
+    med = int(np.median(candidates))
+    text = f"anchors: up to {max_anchors} a sample, {cov:.0%} of the supervised positions a step (median sample {med})"
+    if cov > DENSE_ANCHOR_COVERAGE and med >= 32:
+        fewer = 1 << max(4, int(med // 2).bit_length() - 1)       # a power of two near half the median sample
+        factor = max(1, min(4, round(cov / _coverage(fewer, candidates))))
+        if fewer < max_anchors and factor > 1:
+            text += (f"; nearly every position is an anchor, and neighbouring blocks teach nearly the same thing: "
+                     f"fewer anchors over more samples a step trained a better drafter at about the same compute on "
+                     f"short samples (BENCHMARKS.md): try --max-anchors {fewer} --tokens-per-batch "
+                     f"{tokens_per_batch * factor}")
+    return cov, text
+
+
 def frozen_tensors(reader: StoreReader, device: torch.device, dtype: torch.dtype) -> Frozen:
     """The target's embedding and LM head (the embedding again when tied), in the compute dtype."""
     embed = reader.target_tensor("embed").to(device=device, dtype=dtype)
@@ -140,4 +173,5 @@ def init_state(directory: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
         raise DFlashError(f"--init-from {e}") from None
 
 
-__all__ = ["check_init", "check_store_fits", "drafter_config_for", "frozen_tensors", "init_state", "noise_scale"]
+__all__ = ["anchor_coverage", "check_init", "check_store_fits", "drafter_config_for", "frozen_tensors", "init_state",
+           "noise_scale"]

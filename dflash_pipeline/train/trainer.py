@@ -35,8 +35,8 @@ from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import LoaderState, store_fingerprint
-from dflash_pipeline.train.from_store import (check_init, check_store_fits, drafter_config_for, frozen_tensors,
-                                              init_state, noise_scale)
+from dflash_pipeline.train.from_store import (anchor_coverage, check_init, check_store_fits, drafter_config_for,
+                                              frozen_tensors, init_state, noise_scale)
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
@@ -105,6 +105,9 @@ class Trainer:
         self.noise_over_rms: list[float] | None = None   # --feature-noise over each stored layer's RMS
         if cfg.loss.feature_noise > 0 and proc.is_main:
             self.noise_over_rms, text = noise_scale(cfg.loss.feature_noise, self.reader)
+            self.line.say(text)
+        self.anchor_coverage, text = anchor_coverage(cfg.loss.max_anchors, cfg.data.tokens_per_batch, self.reader)
+        if proc.is_main:
             self.line.say(text)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
@@ -289,7 +292,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps({
                 "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "kl_weight": self.kl_weight,
-                "feature_noise_over_rms": self.noise_over_rms, "world_size": proc.world,
+                "feature_noise_over_rms": self.noise_over_rms, "anchor_coverage": self.anchor_coverage,
+                "world_size": proc.world,
                 "steps_total": self.total, "steps_per_epoch": self.per_epoch,
                 "store": {"url": cfg.data.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
                 "tool_version": __version__}, indent=1))
