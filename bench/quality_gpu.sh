@@ -169,11 +169,15 @@ run)
     fi
     if [ -f $root/data/regen.done ] && [ ! -f $root/data/.regen-returned ]; then
       # once, in 15 MiB parts (files come back at most 16 MiB each); here: copy them into .qregen/
-      tmp=$keep/regen-parts && rm -rf $tmp && mkdir -p $tmp
-      (cd $root && tar czf - data/regen data/regen.done results/data.json \
-        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $tmp/regen-data.tgz.part-
+      # (packed once: the data is final once regen.done exists, and a call without room keeps the parts)
+      tmp=$keep/regen-parts
+      if [ ! -f $tmp/.complete ]; then
+        rm -rf $tmp && mkdir -p $tmp && (cd $root && tar czf - data/regen data/regen.done results/data.json \
+          $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $tmp/regen-data.tgz.part- \
+          && touch $tmp/.complete
+      fi
       if room "$(ls $tmp | wc -l)"; then
-        mv $tmp $OUT/regen-data && touch $root/data/.regen-returned
+        rm $tmp/.complete && mv $tmp $OUT/regen-data && touch $root/data/.regen-returned
       else
         echo "regenerated data: no room among the files that come back; it goes with the next call"
       fi

@@ -106,8 +106,9 @@ class Trainer:
         if cfg.loss.feature_noise > 0 and proc.is_main:
             self.noise_over_rms, text = noise_scale(cfg.loss.feature_noise, self.reader)
             self.line.say(text)
-        self.anchor_coverage, text = anchor_coverage(cfg.loss.max_anchors, cfg.data.tokens_per_batch, self.reader)
+        self.anchor_coverage: float | None = None   # the share of supervised positions anchored a step
         if proc.is_main:
+            self.anchor_coverage, text = anchor_coverage(cfg.loss.max_anchors, cfg.data.tokens_per_batch, self.reader)
             self.line.say(text)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
