@@ -73,7 +73,7 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
     from dflash_pipeline.extract.target import TargetRunner, embedding_scale, load_target, resolve_target
     from dflash_pipeline.schemas.config import TrainConfig
     from dflash_pipeline.store.reader import StoreReader
-    from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for
+    from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, resolve_batch
     from dflash_pipeline.train.step import Frozen
 
     dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
@@ -85,6 +85,7 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
                       **train_kw)
     reader = StoreReader(store)
     check_store_fits(cfg, reader)
+    cfg = resolve_batch(cfg, reader)[0]   # options left to the store, as `dflash train` does
     dcfg = drafter_config_for(cfg.model, reader)
     dtype = torch.bfloat16 if cuda else torch.float32
     t = time.time()

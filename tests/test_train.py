@@ -278,6 +278,85 @@ def test_anchor_coverage_counts_the_positions_the_sampler_draws(tiny_store):
     assert "try" not in sparse_text and "try" not in anchor_coverage(4, 256, reader)[1]
 
 
+class _Supervised:
+    """A store reader's one column that resolve_batch reads: supervised tokens per sample."""
+
+    def __init__(self, supervised):
+        self.supervised = np.asarray(supervised, dtype=np.int64)
+
+    def column(self, name):
+        assert name == "supervised"
+        return self.supervised
+
+
+def _naive_plan(supervised, base_anchors=512, dense=0.75, max_factor=2):
+    """The auto rule written out sample by sample: anchors drawn = min(A, positions) per sample."""
+    cand = [max(s - 1, 0) for s in supervised]
+    cover = lambda a: sum(min(c, a) for c in cand) / sum(cand)  # noqa: E731
+    med = int(np.median(cand))
+    if cover(base_anchors) <= dense or med < 32:
+        return base_anchors, 1
+    fewer = 16
+    while fewer * 2 <= med // 2:   # the largest power of two at most half the median (at least 16)
+        fewer *= 2
+    if fewer >= base_anchors:
+        return base_anchors, 1
+    return fewer, max(1, min(max_factor, round(cover(base_anchors) / cover(fewer))))
+
+
+@pytest.mark.parametrize("supervised", [
+    [266] * 50 + [150, 400, 900],                        # the 40,000-question store's ~265 positions: 128 over 2x
+    list(range(200, 340)),
+    list(np.random.default_rng(0).integers(2, 3000, 300)),   # mixed lengths
+    [3072] * 20,                                        # long samples: the paper's 512 over 4 rows
+    [20] * 30,                                          # too short to thin
+    [700] * 10 + [40] * 3,
+])
+def test_auto_anchors_and_batch_follow_the_rule(supervised):
+    """--max-anchors and --tokens-per-batch left to the store resolve as the rule written out says; a given
+    option is kept; the batch stays whole rows of --max-length."""
+    from dflash_pipeline.train.from_store import resolve_batch
+
+    reader = _Supervised(supervised)
+    anchors, factor = _naive_plan(supervised)
+    cfg, note = resolve_batch(TrainConfig(store="s", out="o"), reader)
+    assert (cfg.loss.max_anchors, cfg.data.tokens_per_batch) == (anchors, 12288 * factor)
+    assert f"{anchors} anchors a sample over {12288 * factor:,} tokens" in note
+    assert ("short" in note) == (anchors < 512)
+    rows = TrainConfig(store="s", out="o", max_length=1000)
+    assert resolve_batch(rows, reader)[0].data.tokens_per_batch == 12 * 1000 * factor
+    given_batch = resolve_batch(TrainConfig(store="s", out="o", tokens_per_batch=6144), reader)[0]
+    assert (given_batch.loss.max_anchors, given_batch.data.tokens_per_batch) == (anchors, 6144)
+    given_anchors = resolve_batch(TrainConfig(store="s", out="o", max_anchors=64), reader)[0]
+    assert (given_anchors.loss.max_anchors, given_anchors.data.tokens_per_batch) == (64, 12288)
+    both = TrainConfig(store="s", out="o", max_anchors=64, tokens_per_batch=3072)
+    assert resolve_batch(both, reader) == (both, None)
+
+
+def test_the_measured_store_resolves_to_the_winning_recipe():
+    """The store the recipe was chosen on (40,000 greedy replies, median ~265 anchor positions a sample)
+    gets what won there: 128 anchors over 24,576 tokens (BENCHMARKS.md, 2026-12-04)."""
+    from dflash_pipeline.train.from_store import resolve_batch
+
+    lengths = np.random.default_rng(1).normal(266, 90, 4000).clip(10, 1024).astype(int)
+    cfg, _ = resolve_batch(TrainConfig(store="s", out="o"), _Supervised(lengths))
+    assert (cfg.loss.max_anchors, cfg.data.tokens_per_batch) == (128, 24576)
+
+
+def test_auto_anchors_are_recorded_and_resume(tiny_store, tmp_path):
+    """A run that leaves --max-anchors to the store writes the concrete value into config.json and its
+    checkpoints, and resumes with the same options left to the store."""
+    from dflash_pipeline.train.from_store import resolve_batch
+
+    run = tmp_path / "auto"
+    kw = dict(max_anchors=None, steps=4)
+    expected = resolve_batch(_cfg(tiny_store, run, **kw), StoreReader(tiny_store))[0].loss.max_anchors
+    run_train(_cfg(tiny_store, run, stop_after=2, **kw))
+    assert json.loads((run / "config.json").read_text())["train"]["max_anchors"] == expected
+    summary = run_train(_cfg(tiny_store, run, resume=True, **kw))
+    assert summary["finished"] and summary["step"] == 4
+
+
 def test_training_learns(tiny_store, tmp_path):
     run = tmp_path / "learn"
     summary = run_train(_cfg(tiny_store, run, steps=40, num_layers=2, lr=5e-3, log_every=5))

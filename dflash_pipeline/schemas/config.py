@@ -112,14 +112,15 @@ class LossConfig:
     """Anchors and the loss. Each term is a weighted sum over labelled block slots divided by the sum
     of the weights (decay-weighted count)."""
 
-    max_anchors: int = 512               # per sample per step
+    max_anchors: int | None = None       # per sample per step; None: chosen from the store (train/from_store.py
+                                         # resolve_batch: 512, or fewer over more tokens on short samples)
     gamma: float | None = None           # None: the published value for the block size (method.py)
     kl_weight: float | None = None       # None: DEFAULT_KL_WEIGHT where the store keeps a top-k, else 0
     cap_weight: float = DEFAULT_CAP_WEIGHT
     feature_noise: float = DEFAULT_FEATURE_NOISE
 
     def __post_init__(self) -> None:
-        if self.max_anchors < 1:
+        if self.max_anchors is not None and self.max_anchors < 1:
             raise ValueError("--max-anchors must be >= 1")
         if self.kl_weight is not None and not 0 <= self.kl_weight <= 1:
             raise ValueError("--kl-weight must be in [0, 1] (the KL share of the CE/KL blend)")
@@ -169,15 +170,17 @@ class DataConfig:
     """What the trainer reads: the store, cut into rows, less the held-out share."""
 
     store: str
-    tokens_per_batch: int = 12288        # rows x row length per micro-batch
+    tokens_per_batch: int | None = None  # rows x row length per micro-batch; None: chosen with the anchors
+                                         # (train/from_store.py resolve_batch: 4 rows of 3,072 tokens, or more
+                                         # rows on a store of short samples)
     max_length: int = 3072               # row length; longer samples are truncated
     eval_fraction: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_batch", "max_length"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.tokens_per_batch % self.max_length:
+        if self.tokens_per_batch is not None and self.tokens_per_batch % self.max_length:
             raise ValueError(f"--tokens-per-batch ({self.tokens_per_batch}) must be a multiple of "
                              f"--max-length ({self.max_length}): a batch is rows of max-length tokens")
         if not 0 <= self.eval_fraction < 1:
@@ -185,6 +188,8 @@ class DataConfig:
 
     @property
     def rows_per_batch(self) -> int:
+        if self.tokens_per_batch is None:
+            raise ValueError("tokens_per_batch is chosen from the store: resolve the config first (resolve_batch)")
         return self.tokens_per_batch // self.max_length
 
 

@@ -92,30 +92,85 @@ def noise_scale(noise: float, reader: StoreReader) -> tuple[list[float | None], 
 # (~all positions) trailed 128 over twice the tokens per step at about equal block tokens (held-out tau
 # estimate 2.06 against 2.43 at 1,500 steps, real chat tau 2.56; BENCHMARKS.md, 2026-12-03)
 DENSE_ANCHOR_COVERAGE = 0.75
+# `dflash train`'s anchors and batch where the options are left to the store (auto): the paper's 512 anchors
+# on 4 rows of 3,072 tokens, unless that anchors nearly every position of the store's samples; then fewer
+# anchors over up to SPARSE_MAX_BATCH_FACTOR times the tokens (2: the measured point; 128 anchors over 24,576
+# tokens, real chat tau 2.95 at 3,600 steps, BENCHMARKS.md 2026-12-04)
+BASE_ANCHORS = 512
+BASE_TOKENS_PER_BATCH = 12288
+SPARSE_MAX_BATCH_FACTOR = 2
+
+
+def store_candidates(reader: StoreReader) -> np.ndarray:
+    """Anchor positions of each sample of the store (about its supervised tokens less one)."""
+    return np.maximum(reader.column("supervised").astype(np.int64) - 1, 0)
 
 
 def _coverage(max_anchors: int, candidates: np.ndarray) -> float:
     return float(np.minimum(candidates, max_anchors).sum() / max(int(candidates.sum()), 1))
 
 
+def sparse_anchors(max_anchors: int, candidates: np.ndarray) -> tuple[int, int] | None:
+    """Where `max_anchors` a sample anchors nearly every position (coverage above DENSE_ANCHOR_COVERAGE):
+    (fewer anchors, a power of two near half the median sample; the factor of tokens per batch that keeps
+    about the same anchored positions a step, at most SPARSE_MAX_BATCH_FACTOR). None where it does not."""
+    if not candidates.sum():
+        return None
+    cov, med = _coverage(max_anchors, candidates), int(np.median(candidates))
+    if cov <= DENSE_ANCHOR_COVERAGE or med < 32:
+        return None
+    fewer = 1 << max(4, int(med // 2).bit_length() - 1)
+    if fewer >= max_anchors:
+        return None
+    return fewer, max(1, min(SPARSE_MAX_BATCH_FACTOR, round(cov / _coverage(fewer, candidates))))
+
+
+def resolve_batch(cfg: TrainConfig, reader: StoreReader) -> tuple[TrainConfig, str | None]:
+    """`--max-anchors` and `--tokens-per-batch` left to the store (None) made concrete: BASE_ANCHORS over
+    BASE_TOKENS_PER_BATCH (in whole rows of --max-length), or, on a store of short samples, sparse_anchors'
+    fewer anchors over proportionally more tokens. A given option is kept; the other still follows the rule
+    (a given batch keeps its size, given anchors keep the base batch). Deterministic in the store, so every
+    rank and every --resume resolves the same. Returns the concrete config and a line that says what auto chose."""
+    loss, data = cfg.loss, cfg.data
+    if loss.max_anchors is not None and data.tokens_per_batch is not None:
+        return cfg, None
+    anchors, factor, why = loss.max_anchors, 1, ""
+    if anchors is None:
+        anchors = BASE_ANCHORS
+        candidates = store_candidates(reader)
+        sparse = sparse_anchors(BASE_ANCHORS, candidates)
+        if sparse is not None:
+            anchors, factor = sparse
+            why = (f": the store's samples are short (median {int(np.median(candidates))} anchor positions) and "
+                   f"{BASE_ANCHORS} would anchor nearly all of them; fewer anchors over more samples a step "
+                   "trained a better drafter (BENCHMARKS.md)")
+    tokens = data.tokens_per_batch
+    if tokens is None:
+        tokens = max(1, round(BASE_TOKENS_PER_BATCH / data.max_length)) * data.max_length * factor
+    note = f"anchors and batch (auto): {anchors} anchors a sample over {tokens:,} tokens a batch{why}"
+    resolved = TrainConfig(seed=cfg.seed, model=cfg.model, loss=dataclasses.replace(loss, max_anchors=anchors),
+                           optim=cfg.optim, data=dataclasses.replace(data, tokens_per_batch=tokens),
+                           runtime=cfg.runtime, output=cfg.output)
+    return resolved, note
+
+
 def anchor_coverage(max_anchors: int, tokens_per_batch: int, reader: StoreReader) -> tuple[float, str]:
-    """The share of the store's anchor positions (about each sample's supervised tokens less one) that
-    `--max-anchors` draws every step, and a line that says it; where nearly every position is an anchor, the
-    line suggests fewer anchors over proportionally more tokens per batch (the same block tokens a step)."""
-    candidates = np.maximum(reader.column("supervised").astype(np.int64) - 1, 0)
+    """The share of the store's anchor positions that `--max-anchors` draws every step, and a line that says
+    it; where nearly every position is an anchor, the line suggests fewer anchors over proportionally more
+    tokens per batch (about the same anchored positions a step)."""
+    candidates = store_candidates(reader)
     if not candidates.sum():
         return 0.0, "anchors: the store has no supervised positions"
     cov = _coverage(max_anchors, candidates)
     med = int(np.median(candidates))
     text = f"anchors: up to {max_anchors} a sample, {cov:.0%} of the supervised positions a step (median sample {med})"
-    if cov > DENSE_ANCHOR_COVERAGE and med >= 32:
-        fewer = 1 << max(4, int(med // 2).bit_length() - 1)       # a power of two near half the median sample
-        factor = max(1, min(4, round(cov / _coverage(fewer, candidates))))
-        if fewer < max_anchors and factor > 1:
-            text += (f"; nearly every position is an anchor, and neighbouring blocks teach nearly the same thing: "
-                     f"fewer anchors over more samples a step trained a better drafter at about the same compute on "
-                     f"short samples (BENCHMARKS.md): try --max-anchors {fewer} --tokens-per-batch "
-                     f"{tokens_per_batch * factor}")
+    sparse = sparse_anchors(max_anchors, candidates)
+    if sparse is not None and sparse[1] > 1:
+        fewer, factor = sparse
+        text += (f"; nearly every position is an anchor, and neighbouring blocks teach nearly the same thing: "
+                 f"fewer anchors over more samples a step trained a better drafter at about the same compute on "
+                 f"short samples (BENCHMARKS.md): try --max-anchors {fewer} --tokens-per-batch "
+                 f"{tokens_per_batch * factor}")
     return cov, text
 
 

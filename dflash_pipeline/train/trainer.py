@@ -36,7 +36,7 @@ from dflash_pipeline.train.checkpoint import check_resume, latest_checkpoint, lo
 from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import LoaderState, store_fingerprint
 from dflash_pipeline.train.from_store import (anchor_coverage, check_init, check_store_fits, drafter_config_for,
-                                              frozen_tensors, init_state, noise_scale)
+                                              frozen_tensors, init_state, noise_scale, resolve_batch)
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
@@ -90,12 +90,16 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, proc: Proc, device: torch.device):
-        self.cfg, self.proc, self.device = cfg, proc, device
+        self.proc, self.device = proc, device
         self.dist = dist if proc.world > 1 else None   # collectives only with several ranks
         self.line = LiveLine(enabled=proc.is_main and not cfg.output.quiet)
         self.run_dir = Path(cfg.output.out)
         self.reader = StoreReader(cfg.data.store)
         check_store_fits(cfg, self.reader)
+        # --max-anchors and --tokens-per-batch left to the store: concrete from here on (config.json, checkpoints;
+        # each rank resolves the same from the same store)
+        cfg, self.batch_note = resolve_batch(cfg, self.reader)
+        self.cfg = cfg
         r = self.reader
         self.line.say(f"opening store {cfg.data.store}: {r.num_samples:,} samples, {r.num_tokens:,} tokens, "
                       f"layers {r.meta.layer_ids}, codec {r.meta.codec}")
@@ -110,6 +114,8 @@ class Trainer:
         if proc.is_main:
             self.anchor_coverage, text = anchor_coverage(cfg.loss.max_anchors, cfg.data.tokens_per_batch, self.reader)
             self.line.say(text)
+            if self.batch_note:
+                self.line.say(self.batch_note)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
         self.model, self.ddp = self._build_model()
