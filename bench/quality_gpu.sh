@@ -31,7 +31,11 @@
 # sum stays under 64 MiB), restored by setup into /tmp/keep/init, and Q_ARGS="--init-from /tmp/keep/init"
 # starts every training of the call from its weights (a fresh optimizer and schedule).
 # A call that hit its deadline left its part incomplete: the same `run PART` continues it (trainings
-# resume from their SIGTERM checkpoints, finished runs and evals are skipped).
+# resume from their SIGTERM checkpoints, finished runs and evals are skipped). A training's evals start only
+# once it has finished, so budget the session for the last call: each resume costs ~50 s of start-up, and the
+# evals (chat T=0 and T=1, code, then the alone speedup) ~2 minutes after the last step. Measured: with .qregen
+# (no generation), setup x2, `run data stores recipes` (fp8 extraction ~190 s), then `run recipes` twice, a
+# 3,600-step run of 24,576-token steps and all its evals took 1,570 s of the 30-minute device budget.
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
