@@ -301,7 +301,8 @@ def _naive_plan(supervised, base_anchors=512, dense=0.75, max_factor=2):
         fewer *= 2
     if fewer >= base_anchors:
         return base_anchors, 1
-    return fewer, max(1, min(max_factor, round(cover(base_anchors) / cover(fewer))))
+    factor = max(1, min(max_factor, round(cover(base_anchors) / cover(fewer))))
+    return (fewer, factor) if factor > 1 else (base_anchors, 1)
 
 
 @pytest.mark.parametrize("supervised", [
@@ -311,6 +312,7 @@ def _naive_plan(supervised, base_anchors=512, dense=0.75, max_factor=2):
     [3072] * 20,                                        # long samples: the paper's 512 over 4 rows
     [20] * 30,                                          # too short to thin
     [700] * 10 + [40] * 3,
+    [560] * 40,                                         # just above 512 positions: still dense, 256 over 2x
 ])
 def test_auto_anchors_and_batch_follow_the_rule(supervised):
     """--max-anchors and --tokens-per-batch left to the store resolve as the rule written out says; a given

@@ -139,7 +139,7 @@ def resolve_batch(cfg: TrainConfig, reader: StoreReader) -> tuple[TrainConfig, s
         anchors = BASE_ANCHORS
         candidates = store_candidates(reader)
         sparse = sparse_anchors(BASE_ANCHORS, candidates)
-        if sparse is not None:
+        if sparse is not None and sparse[1] > 1:   # thinner only where more samples make up for it
             anchors, factor = sparse
             why = (f": the store's samples are short (median {int(np.median(candidates))} anchor positions) and "
                    f"{BASE_ANCHORS} would anchor nearly all of them; fewer anchors over more samples a step "
