@@ -359,6 +359,20 @@ def test_auto_anchors_are_recorded_and_resume(tiny_store, tmp_path):
     assert summary["finished"] and summary["step"] == 4
 
 
+def test_a_run_resumes_with_the_anchors_and_batch_it_began_with(tiny_store, tmp_path):
+    """Options left to the store on --resume take the checkpoint's values, not the rule's: a run begun with
+    other values (e.g. before the default changed) continues as it began; a given option still has to match."""
+    run = tmp_path / "began"
+    run_train(_cfg(tiny_store, run, steps=4, stop_after=2, max_anchors=3, tokens_per_batch=384))
+    summary = run_train(_cfg(tiny_store, run, steps=4, resume=True, max_anchors=None, tokens_per_batch=None))
+    assert summary["finished"] and summary["step"] == 4
+    train = json.loads((run / "config.json").read_text())["train"]
+    assert (train["max_anchors"], train["tokens_per_batch"]) == (3, 384)
+    run_train(_cfg(tiny_store, tmp_path / "other", steps=4, stop_after=2, max_anchors=3))
+    with pytest.raises(ConfigMismatchError, match="max_anchors"):
+        run_train(_cfg(tiny_store, tmp_path / "other", steps=4, resume=True, max_anchors=5))
+
+
 def test_training_learns(tiny_store, tmp_path):
     run = tmp_path / "learn"
     summary = run_train(_cfg(tiny_store, run, steps=40, num_layers=2, lr=5e-3, log_every=5))

@@ -125,15 +125,23 @@ def sparse_anchors(max_anchors: int, candidates: np.ndarray) -> tuple[int, int] 
     return fewer, max(1, min(SPARSE_MAX_BATCH_FACTOR, round(cov / _coverage(fewer, candidates))))
 
 
-def resolve_batch(cfg: TrainConfig, reader: StoreReader) -> tuple[TrainConfig, str | None]:
+def resolve_batch(cfg: TrainConfig, reader: StoreReader,
+                  resumed: dict | None = None) -> tuple[TrainConfig, str | None]:
     """`--max-anchors` and `--tokens-per-batch` left to the store (None) made concrete: BASE_ANCHORS over
     BASE_TOKENS_PER_BATCH (in whole rows of --max-length), or, on a store of short samples, sparse_anchors'
     fewer anchors over proportionally more tokens. A given option is kept; the other still follows the rule
     (a given batch keeps its size, given anchors keep the base batch). Deterministic in the store, so every
-    rank and every --resume resolves the same. Returns the concrete config and a line that says what auto chose."""
+    rank and every --resume resolves the same. `resumed` (the flat config of the checkpoint a --resume continues)
+    wins over the rule: a run resumes with the values it began with, whatever the defaults were then. Returns
+    the concrete config and a line that says what was chosen."""
     loss, data = cfg.loss, cfg.data
     if loss.max_anchors is not None and data.tokens_per_batch is not None:
         return cfg, None
+    if resumed and resumed.get("max_anchors") and resumed.get("tokens_per_batch"):
+        anchors = loss.max_anchors if loss.max_anchors is not None else int(resumed["max_anchors"])
+        tokens = data.tokens_per_batch if data.tokens_per_batch is not None else int(resumed["tokens_per_batch"])
+        return _with_batch(cfg, anchors, tokens), (f"anchors and batch: {anchors} anchors a sample over "
+                                                    f"{tokens:,} tokens a batch, as the run began")
     anchors, factor, why = loss.max_anchors, 1, ""
     if anchors is None:
         anchors = BASE_ANCHORS
@@ -147,11 +155,13 @@ def resolve_batch(cfg: TrainConfig, reader: StoreReader) -> tuple[TrainConfig, s
     tokens = data.tokens_per_batch
     if tokens is None:
         tokens = max(1, round(BASE_TOKENS_PER_BATCH / data.max_length)) * data.max_length * factor
-    note = f"anchors and batch (auto): {anchors} anchors a sample over {tokens:,} tokens a batch{why}"
-    resolved = TrainConfig(seed=cfg.seed, model=cfg.model, loss=dataclasses.replace(loss, max_anchors=anchors),
-                           optim=cfg.optim, data=dataclasses.replace(data, tokens_per_batch=tokens),
-                           runtime=cfg.runtime, output=cfg.output)
-    return resolved, note
+    return _with_batch(cfg, anchors, tokens), f"anchors and batch (auto): {anchors} anchors a sample over {tokens:,} tokens a batch{why}"
+
+
+def _with_batch(cfg: TrainConfig, anchors: int, tokens: int) -> TrainConfig:
+    return TrainConfig(seed=cfg.seed, model=cfg.model, loss=dataclasses.replace(cfg.loss, max_anchors=anchors),
+                       optim=cfg.optim, data=dataclasses.replace(cfg.data, tokens_per_batch=tokens),
+                       runtime=cfg.runtime, output=cfg.output)
 
 
 def anchor_coverage(max_anchors: int, tokens_per_batch: int, reader: StoreReader) -> tuple[float, str]:

@@ -97,8 +97,8 @@ class Trainer:
         self.reader = StoreReader(cfg.data.store)
         check_store_fits(cfg, self.reader)
         # --max-anchors and --tokens-per-batch left to the store: concrete from here on (config.json, checkpoints;
-        # each rank resolves the same from the same store)
-        cfg, self.batch_note = resolve_batch(cfg, self.reader)
+        # each rank resolves the same from the same store); a resumed run keeps what it began with
+        cfg, self.batch_note = resolve_batch(cfg, self.reader, self._resumed_config(cfg))
         self.cfg = cfg
         r = self.reader
         self.line.say(f"opening store {cfg.data.store}: {r.num_samples:,} samples, {r.num_tokens:,} tokens, "
@@ -176,6 +176,11 @@ class Trainer:
         return per_epoch, optim.steps if optim.steps is not None else max(1, round(optim.epochs * per_epoch))
 
     # -- resume and save ---------------------------------------------------------------------------------
+
+    def _resumed_config(self, cfg: TrainConfig) -> dict[str, Any] | None:
+        """The flat config of the checkpoint --resume will continue (its trainer_state.json only), or None."""
+        path = latest_checkpoint(self.run_dir) if cfg.output.resume else None
+        return json.loads((path / "trainer_state.json").read_text())["config"] if path is not None else None
 
     def resume(self) -> None:
         """Continue from the run directory's latest checkpoint, exactly where it stopped."""
