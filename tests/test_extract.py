@@ -208,8 +208,22 @@ def _assert_same_store(a: str, b: str) -> None:
         sb = rb.read_sample(rb.find_sample(sa.sample_id))
         np.testing.assert_array_equal(sa.tokens_T, sb.tokens_T)
         np.testing.assert_array_equal(sa.loss_mask_T, sb.loss_mask_T)
-        assert torch.equal(sa.hidden_TLH.view(torch.int16), sb.hidden_TLH.view(torch.int16))
+        _assert_bf16_rounding_apart(sa.hidden_TLH, sb.hidden_TLH, f"sample {sa.sample_id}")
         np.testing.assert_array_equal(sa.topk_ids_TK, sb.topk_ids_TK)
+
+
+def _assert_bf16_rounding_apart(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    """Equal, or apart by bf16 rounding on a few elements. Two processes batch their shares of the samples
+    otherwise than one does, and a sample padded to another width runs attention and matmuls of other
+    shapes: on some CPUs' kernels the fp32 results differ in their last bits, which flips the bf16 rounding
+    of a few elements, and the flips of early layers carry into later ones (seen: 333 of 270,720 elements,
+    relative difference 1e-5, the largest 0.25 in a layer of RMS 109). A real fault is larger or broader."""
+    a, b = a.float(), b.float()
+    diff = (a - b).abs()
+    rms = a.pow(2).mean((0, 2), keepdim=True).sqrt()          # per layer [1, L, 1]
+    assert bool((diff <= rms / 64).all()), f"{where}: {int((diff > rms / 64).sum())} features apart by over RMS/64"
+    assert float((diff > 0).float().mean()) < 0.005, f"{where}: {int((diff > 0).sum())} of {diff.numel()} features differ"
+    assert float(diff.norm() / a.norm().clamp_min(1e-30)) < 1e-4, f"{where}: relative difference {diff.norm() / a.norm():.2e}"
 
 
 def _shm_blocks() -> set[str]:
