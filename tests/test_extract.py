@@ -192,12 +192,22 @@ def test_missing_input_fails_before_any_work(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
-def test_two_processes_write_the_same_store(extracted, data_file, tmp_path):
-    cfg, _ = extracted
-    cfg2 = _cfg(tmp_path, data_file, num_procs=2)
-    rec = run_extract(cfg2)
+def test_two_processes_write_the_same_store(data_file, tmp_path, monkeypatch):
+    """Bit for bit what one process writes with one process's share of the cores: on the CPU each of the two
+    takes half of them (launch.bind_device), and a matmul split over another number of threads may round
+    its fp32 sums otherwise (on some CPUs it does, and a few bf16 features then flip)."""
+    two = _cfg(tmp_path / "two", data_file, num_procs=2)
+    rec = run_extract(two)
     assert rec["processes"] == 2 and all(w["segments"] > 0 for w in rec["workers"])
-    _assert_same_store(cfg.out, cfg2.out)
+    share = max(1, (os.cpu_count() or 1) // 2)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: share)
+    try:
+        one = _cfg(tmp_path / "one", data_file)
+        run_extract(one)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_store(one.out, two.out)
 
 
 def _assert_same_store(a: str, b: str) -> None:
@@ -208,22 +218,8 @@ def _assert_same_store(a: str, b: str) -> None:
         sb = rb.read_sample(rb.find_sample(sa.sample_id))
         np.testing.assert_array_equal(sa.tokens_T, sb.tokens_T)
         np.testing.assert_array_equal(sa.loss_mask_T, sb.loss_mask_T)
-        _assert_bf16_rounding_apart(sa.hidden_TLH, sb.hidden_TLH, f"sample {sa.sample_id}")
+        assert torch.equal(sa.hidden_TLH.view(torch.int16), sb.hidden_TLH.view(torch.int16))
         np.testing.assert_array_equal(sa.topk_ids_TK, sb.topk_ids_TK)
-
-
-def _assert_bf16_rounding_apart(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
-    """Equal, or apart by bf16 rounding on a few elements. Two processes batch their shares of the samples
-    otherwise than one does, and a sample padded to another width runs attention and matmuls of other
-    shapes: on some CPUs' kernels the fp32 results differ in their last bits, which flips the bf16 rounding
-    of a few elements, and the flips of early layers carry into later ones (seen: 333 of 270,720 elements,
-    relative difference 1e-5, the largest 0.25 in a layer of RMS 109). A real fault is larger or broader."""
-    a, b = a.float(), b.float()
-    diff = (a - b).abs()
-    rms = a.pow(2).mean((0, 2), keepdim=True).sqrt()          # per layer [1, L, 1]
-    assert bool((diff <= rms / 64).all()), f"{where}: {int((diff > rms / 64).sum())} features apart by over RMS/64"
-    assert float((diff > 0).float().mean()) < 0.005, f"{where}: {int((diff > 0).sum())} of {diff.numel()} features differ"
-    assert float(diff.norm() / a.norm().clamp_min(1e-30)) < 1e-4, f"{where}: relative difference {diff.norm() / a.norm():.2e}"
 
 
 def _shm_blocks() -> set[str]:
