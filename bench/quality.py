@@ -22,7 +22,8 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
              with --eval-trees 16,64 both T=0 chat evals also verify trees of those budgets, and the
              summary sets each drafter's chain and trees side by side (real tau, speedup, estimate)
   variants   the best recipe on the original-reply store and on the fp8 store (--variant-stores: any of
-             orig-bf16, regen-fp8, regen-t1-bf16, mix-bf16, all-fp8; runs BEST@orig, @fp8, @t1, @mix, @all)
+             orig-bf16, orig-fp8, regen-fp8, regen-t1-bf16, mix-bf16, all-fp8; runs BEST@orig, @orig8, @fp8, @t1,
+             @mix, @all)
   curve      the best recipe at other training lengths (a learning curve with the recipes' run)
   specforge  SpecForge 0.2's DFlash trainer on the same store, steps, batch, lr schedule and block size
              (bench/specforge_dflash.py), its drafter converted to our export and evaluated the same way;
@@ -177,7 +178,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 # store -> (its conversations, codec). Data: orig = the original replies, regen = regenerated greedily,
 # regen-t1 = regenerated with sampling at T=1 (the distribution the T=1 eval draws from; greedy replies
 # were narrower: at 800 steps the original replies' drafter was ahead at T=1 and on code, 2026-12-02).
-STORES = {"orig-bf16": (("orig",), "bf16"), "regen-bf16": (("regen",), "bf16"), "regen-fp8": (("regen",), "fp8"),
+STORES = {"orig-bf16": (("orig",), "bf16"), "orig-fp8": (("orig",), "fp8"), "regen-bf16": (("regen",), "bf16"), "regen-fp8": (("regen",), "fp8"),
           "regen-t1-bf16": (("regen-t1",), "bf16"),
           "mix-bf16": (("orig", "regen"), "bf16"),   # both sets of replies in one store: twice the conversations
           # all three sets in fp8 (which trained as well as bf16 at 600 steps, 2026-12-02): 3x the replies of one
@@ -186,7 +187,9 @@ STORES = {"orig-bf16": (("orig",), "bf16"), "regen-bf16": (("regen",), "bf16"), 
           # tau, on the eval split's prompts, does not share that
           "all-fp8": (("orig", "regen", "regen-t1"), "fp8")}
 DEFAULT_STORES = ("orig-bf16", "regen-bf16", "regen-fp8")
-VARIANT_TAGS = {"orig-bf16": "orig", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix", "all-fp8": "all"}  # run name suffix
+# orig-fp8: the original replies where their bf16 store would not fit the disk (40,000 replies of ~307 tokens:
+# ~80 GB in bf16, ~36 GB in fp8), and the like-for-like twin of a regen-fp8 recipe store
+VARIANT_TAGS = {"orig-bf16": "orig", "orig-fp8": "orig8", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix", "all-fp8": "all"}  # run name suffix
 REGEN_TEMPERATURE = {"regen": 0.0, "regen-t1": 1.0}
 GENERATION_FIELDS = ("n", "max_prompt_tokens", "max_new_tokens", "max_length", "turns")  # what data/regen* depend on
 

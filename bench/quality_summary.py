@@ -324,10 +324,15 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
         goals.append(("our steps faster than SpecForge's", sf.get("speed_ratio"), (sf.get("speed_ratio") or 0) > 1, ""))
     var = rec.get("variants", {})
     if best and best in var:
-        base, orig, fp8 = var[best].get("tau_chat_T0"), var.get(f"{best}@orig", {}).get("tau_chat_T0"), \
-            var.get(f"{best}@fp8", {}).get("tau_chat_T0")
+        base, fp8 = var[best].get("tau_chat_T0"), var.get(f"{best}@fp8", {}).get("tau_chat_T0")
+        # the original replies' run in the base run's codec where both exist (like for like), else either
+        codec = "fp8" if str(var[best].get("store", "")).endswith("fp8") else "bf16"
+        tags = ("@orig8", "@orig") if codec == "fp8" else ("@orig", "@orig8")
+        orig_run = next((best + t for t in tags if var.get(best + t, {}).get("tau_chat_T0")), None)
+        orig = var[orig_run]["tau_chat_T0"] if orig_run else None
         ratio = base / orig if base and orig else None
-        goals.append(("regenerated / original tau >= 1.5", ratio, (ratio or 0) >= GOAL_REGEN_RATIO, ""))
+        goals.append(("regenerated / original tau >= 1.5", ratio, (ratio or 0) >= GOAL_REGEN_RATIO,
+                      f"against {orig_run}" if orig_run else ""))
         rel = abs(fp8 - base) / base if base and fp8 else None
         goals.append(("fp8 within 2% of bf16 tau", rel, rel is not None and rel <= GOAL_FP8_REL, "relative difference"))
     ests = [r for r in rec.get("recipes", {}).values() if r.get("est_over_real")]

@@ -296,6 +296,13 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     assert est["value"] == pytest.approx(1.2) and not est["met"]
     assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 |" in md
     assert "| ce@orig | store orig-bf16 |" in md
+    # a recipe store in fp8: the ratio takes the original replies' fp8 run where there is one (like for like)
+    run("ce@orig8", "orig-fp8", 1.2, {"chat@0": 1.25})
+    (b.run_dir("ce") / "config.json").write_text(json.dumps({"train": {"block_size": 16, "tokens_per_batch": 1024},
+                                                             "store": {"url": str(b.store("regen-fp8"))}}))
+    goals = {g["goal"]: g for g in build_summary(b)[1]["goals"]}
+    assert goals["regenerated / original tau >= 1.5"]["value"] == pytest.approx(2.4)
+    assert goals["regenerated / original tau >= 1.5"]["note"] == "against ce@orig8"
     # --turns each: every user turn asked afresh; the summary must not call them first exchanges
     b.write("inputs", {"orig": {"conversations": 40000, "turns": "each"}})
     md, _ = build_summary(b)
