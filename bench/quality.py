@@ -178,7 +178,8 @@ RECIPES: dict[str, dict[str, Any]] = {
 # store -> (its conversations, codec). Data: orig = the original replies, regen = regenerated greedily,
 # regen-t1 = regenerated with sampling at T=1 (the distribution the T=1 eval draws from; greedy replies
 # were narrower: at 800 steps the original replies' drafter was ahead at T=1 and on code, 2026-12-02).
-STORES = {"orig-bf16": (("orig",), "bf16"), "orig-fp8": (("orig",), "fp8"), "regen-bf16": (("regen",), "bf16"), "regen-fp8": (("regen",), "fp8"),
+STORES = {"orig-bf16": (("orig",), "bf16"), "orig-fp8": (("orig",), "fp8"),
+          "regen-bf16": (("regen",), "bf16"), "regen-fp8": (("regen",), "fp8"),
           "regen-t1-bf16": (("regen-t1",), "bf16"),
           "mix-bf16": (("orig", "regen"), "bf16"),   # both sets of replies in one store: twice the conversations
           # all three sets in fp8 (which trained as well as bf16 at 600 steps, 2026-12-02): 3x the replies of one
@@ -189,7 +190,8 @@ STORES = {"orig-bf16": (("orig",), "bf16"), "orig-fp8": (("orig",), "fp8"), "reg
 DEFAULT_STORES = ("orig-bf16", "regen-bf16", "regen-fp8")
 # orig-fp8: the original replies where their bf16 store would not fit the disk (40,000 replies of ~307 tokens:
 # ~80 GB in bf16, ~36 GB in fp8), and the like-for-like twin of a regen-fp8 recipe store
-VARIANT_TAGS = {"orig-bf16": "orig", "orig-fp8": "orig8", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix", "all-fp8": "all"}  # run name suffix
+VARIANT_TAGS = {"orig-bf16": "orig", "orig-fp8": "orig8", "regen-fp8": "fp8", "regen-t1-bf16": "t1", "mix-bf16": "mix",
+                "all-fp8": "all"}  # run name suffix
 REGEN_TEMPERATURE = {"regen": 0.0, "regen-t1": 1.0}
 GENERATION_FIELDS = ("n", "max_prompt_tokens", "max_new_tokens", "max_length", "turns")  # what data/regen* depend on
 

@@ -325,10 +325,13 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
     var = rec.get("variants", {})
     if best and best in var:
         base, fp8 = var[best].get("tau_chat_T0"), var.get(f"{best}@fp8", {}).get("tau_chat_T0")
+        from quality import STORES, VARIANT_TAGS
+
         # the original replies' run in the base run's codec where both exist (like for like), else either
-        codec = "fp8" if str(var[best].get("store", "")).endswith("fp8") else "bf16"
-        tags = ("@orig8", "@orig") if codec == "fp8" else ("@orig", "@orig8")
-        orig_run = next((best + t for t in tags if var.get(best + t, {}).get("tau_chat_T0")), None)
+        codec = STORES.get(var[best].get("store"), ((), None))[1]
+        origs = sorted((s for s in VARIANT_TAGS if STORES[s][0] == ("orig",)), key=lambda s: STORES[s][1] != codec)
+        orig_run = next((f"{best}@{VARIANT_TAGS[s]}" for s in origs
+                         if var.get(f"{best}@{VARIANT_TAGS[s]}", {}).get("tau_chat_T0")), None)
         orig = var[orig_run]["tau_chat_T0"] if orig_run else None
         ratio = base / orig if base and orig else None
         goals.append(("regenerated / original tau >= 1.5", ratio, (ratio or 0) >= GOAL_REGEN_RATIO,
