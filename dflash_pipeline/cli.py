@@ -210,7 +210,7 @@ def train(
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps instead of epochs."),
     num_layers: int = typer.Option(5, "--num-layers", help="Drafter decoder layers."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens drafted per block (anchor + masks)."),
-    max_anchors: Optional[int] = typer.Option(None, "--max-anchors", help="Anchors (blocks) per sample per step (default: 512, or on a store of short samples fewer over proportionally more tokens per batch, e.g. 128 over 24,576: the recipe that trained the best drafter, BENCHMARKS.md)."),
+    max_anchors: Optional[int] = typer.Option(None, "--max-anchors", help="Anchors (blocks) per sample per step (default: 512, or on a store of short samples fewer over proportionally more tokens per batch, e.g. 64 over 49,152 on replies of ~300 tokens: the recipe that trained the best drafter, BENCHMARKS.md)."),
     gamma: Optional[float] = typer.Option(None, "--gamma", help=f"Loss decay exp(-(k-1)/gamma); default by block size B: {gamma_table_text()}."),
     kl_weight: Optional[float] = typer.Option(None, "--kl-weight", help=f"Share of forward KL to the stored teacher top-k, blended with CE (default {DEFAULT_KL_WEIGHT}; 0 on a store without top-k)."),
     cap_weight: float = typer.Option(DEFAULT_CAP_WEIGHT, "--cap-weight", help="Weight of CAP (entropy minimisation on already-correct slots); 0: none."),

@@ -94,11 +94,14 @@ def noise_scale(noise: float, reader: StoreReader) -> tuple[list[float | None], 
 DENSE_ANCHOR_COVERAGE = 0.75
 # `dflash train`'s anchors and batch where the options are left to the store (auto): the paper's 512 anchors
 # on 4 rows of 3,072 tokens, unless that anchors nearly every position of the store's samples; then fewer
-# anchors over up to SPARSE_MAX_BATCH_FACTOR times the tokens (2: the measured point; 128 anchors over 24,576
-# tokens, real chat tau 2.95 at 3,600 steps, BENCHMARKS.md 2026-12-04)
+# anchors (a power of two near 1/SPARSE_SHARE of the median sample) over up to SPARSE_MAX_BATCH_FACTOR times the
+# tokens. Measured on that store (BENCHMARKS.md): 128 over 24,576 tokens gave real chat tau 3.07 (fp32) after
+# 3,600 steps; 64 over 49,152 gave 3.02 after 1,818 steps of the same schedule (held-out estimate 2.58 against
+# 2.35 at step 1,200), for ~1.2x the block tokens a step (2026-12-05)
 BASE_ANCHORS = 512
 BASE_TOKENS_PER_BATCH = 12288
-SPARSE_MAX_BATCH_FACTOR = 2
+SPARSE_SHARE = 4                 # anchors near 1/4 of the median sample's positions
+SPARSE_MAX_BATCH_FACTOR = 4
 
 
 def store_candidates(reader: StoreReader) -> np.ndarray:
@@ -112,14 +115,15 @@ def _coverage(max_anchors: int, candidates: np.ndarray) -> float:
 
 def sparse_anchors(max_anchors: int, candidates: np.ndarray) -> tuple[int, int] | None:
     """Where `max_anchors` a sample anchors nearly every position (coverage above DENSE_ANCHOR_COVERAGE):
-    (fewer anchors, a power of two near half the median sample; the factor of tokens per batch that keeps
-    about the same anchored positions a step, at most SPARSE_MAX_BATCH_FACTOR). None where it does not."""
+    (fewer anchors, the largest power of two at most 1/SPARSE_SHARE of the median sample, at least 16; the factor
+    of tokens per batch that keeps about the same anchored positions a step, at most SPARSE_MAX_BATCH_FACTOR).
+    None where it does not."""
     if not candidates.sum():
         return None
     cov, med = _coverage(max_anchors, candidates), int(np.median(candidates))
     if cov <= DENSE_ANCHOR_COVERAGE or med < 32:
         return None
-    fewer = 1 << max(4, int(med // 2).bit_length() - 1)
+    fewer = 1 << max(4, int(med // SPARSE_SHARE).bit_length() - 1)
     if fewer >= max_anchors:
         return None
     return fewer, max(1, min(SPARSE_MAX_BATCH_FACTOR, round(cov / _coverage(fewer, candidates))))
