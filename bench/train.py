@@ -9,13 +9,16 @@
             eager (`--no-compile`): what the compiled kernels are worth. Goal: MFU >= 60%.
   memory    hidden 5120, vocab 248,320, intermediate 17,408, 5 layers, block 32, 1,024 anchors,
             one 49,152-token row, KL on: the case that crashed an online pipeline. Goal: peak < 80 GB.
+  short     (only when asked) the Qwen3-8B-shaped drafter on samples of 340 tokens packed into rows of 3,072,
+            KL on: 512 anchors a sample over 4 rows, 128 over 8 and 64 over 16 (`dflash train`'s store rule
+            for such samples, earlier and now): step time and peak memory of each
   smollm2   (only when asked) the SmolLM2-135M-shaped drafter that bench/quality.py trains (hidden 576,
             intermediate 1,536, 9/3 heads of 64, vocab 49,152), same rows, anchors and block: it ran at
             ~47K input tok/s on an H200 (2026-12-02), its step far from compute-bound; with --profile,
             where its time goes (every quality run's training minutes are these steps); and the same
             with 8 layers (the deeper recipe), as a ratio to the 5-layer step.
 
-    python bench/train.py [--only step|memory|smollm2] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
+    python bench/train.py [--only step|memory|smollm2|short] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
     python bench/train.py --smoke      # tiny shapes on the CPU: checks the script before GPU time
 """
 
@@ -41,12 +44,14 @@ from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks, step_fl
 PEAK = 790e12
 
 
-def make_batch(R: int, S: int, L: int, H: int, V: int, K: int, device) -> Batch:
+def make_batch(R: int, S: int, L: int, H: int, V: int, K: int, device, doc_len: int | None = None) -> Batch:
+    """R rows of S tokens: one sample a row, or samples of doc_len tokens packed (positions restart in each)."""
     g = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, V, (R, S), device=device, generator=g)
+    idx = torch.arange(S, device=device)
+    pos, doc = (idx, torch.zeros_like(idx)) if doc_len is None else (idx % doc_len, idx // doc_len)
     return Batch(tokens=tokens, loss_mask=torch.ones(R, S, dtype=torch.bool, device=device),
-                 pos=torch.arange(S, device=device)[None].expand(R, S).contiguous(),
-                 doc=torch.zeros(R, S, dtype=torch.long, device=device),
+                 pos=pos[None].expand(R, S).contiguous(), doc=doc[None].expand(R, S).contiguous(),
                  features=torch.randn(R, S, L * H, device=device, dtype=torch.bfloat16, generator=g),
                  topk_ids=torch.randint(0, V, (R, S, K), device=device, generator=g),
                  topk_logprobs=torch.log_softmax(torch.randn(R, S, K, device=device, generator=g), -1), num_tokens=R * S)
@@ -110,7 +115,8 @@ def profile_table(fn, path: str, steps: int = 2) -> None:
 
 
 def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
-               head_dim=128, checkpoint_layers=0, profile: str | None = None, compiled: bool = True):
+               head_dim=128, checkpoint_layers=0, profile: str | None = None, compiled: bool = True,
+               doc_len: int | None = None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
@@ -123,7 +129,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     head = (torch.randn(V, H, device=device) * 0.02).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     frozen = Frozen(head, head)
-    batch = make_batch(R, S, 5, H, V, 32, device)
+    batch = make_batch(R, S, 5, H, V, 32, device, doc_len)
     gamma = {16: 7.0, 32: 10.0}.get(B, 7.0)
     g = torch.Generator().manual_seed(1)
     anchors = draw_anchors(batch, anchors, g, B)  # on the host, as the trainer draws them
@@ -183,7 +189,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["step", "memory", "smollm2"], default=None)
+    ap.add_argument("--only", choices=["step", "memory", "smollm2", "short"], default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write the step's CUDA kernels by GPU time to this file")
@@ -193,7 +199,8 @@ def main() -> None:
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "results": []}
     if args.smoke:
         out["results"].append(bench_case("smoke", H=128, I=256, heads=4, kv=2, V=500, B=16, anchors=8, R=2, S=64,
-                                         kl=True, steps=2, layers=2, head_dim=32, profile=args.profile))
+                                         kl=True, steps=2, layers=2, head_dim=32, profile=args.profile,
+                                         doc_len=24))
         print(out["results"])
         return
     if args.only in (None, "step"):
@@ -215,6 +222,17 @@ def main() -> None:
                                          B=16, anchors=512, R=4, S=3072, kl=False, steps=args.steps, layers=8,
                                          head_dim=64, conventional=False))
         out["results"][-1]["step_over_5_layers"] = out["results"][-1]["step_s"] / out["results"][-2]["step_s"]
+    if args.only == "short":
+        # `dflash train`'s store rule on reply-length samples (340 tokens packed into rows of 3,072), the
+        # Qwen3-8B-shaped drafter with KL on: the paper's 512 anchors a sample over 4 rows (nearly every
+        # position), the rule's earlier 128 over 8 rows and its current 64 over 16 (BENCHMARKS.md, 2026-12-05):
+        # step time and peak memory per configuration, same run
+        for anchors, rows in ((512, 4), (128, 8), (64, 16)):
+            torch.cuda.empty_cache()
+            out["results"].append(bench_case(f"short samples (340 tokens): {anchors} anchors a sample over {rows}x3072",
+                                             H=4096, I=12288, heads=32, kv=8, V=151936, B=16, anchors=anchors,
+                                             R=rows, S=3072, kl=True, steps=args.steps, conventional=False,
+                                             doc_len=340))
     if args.only in (None, "memory"):
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
