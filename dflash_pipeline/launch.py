@@ -114,7 +114,9 @@ def launch(entry: Callable[..., Any], args: tuple = (), *, nprocs: int, kind: st
     One process: called here, with `args` as they are. More: spawned (fresh interpreters, so `entry`
     and `args` must pickle), each with the environment torchrun would give it (MASTER_ADDR/PORT, RANK,
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so that `process_group` and per-node shares work the same
-    under both. An exception in any rank is raised here after all ranks ended.
+    under both. An exception in any rank is raised here after all ranks ended; a user's error (DFlashError)
+    in a spawned rank is raised here as one, naming the rank, so that the command prints its line and not
+    the rank's traceback.
     """
     if nprocs == 1:
         return [entry(Proc(0, 1, 0, kind), *args)]
@@ -122,19 +124,47 @@ def launch(entry: Callable[..., Any], args: tuple = (), *, nprocs: int, kind: st
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(entry, args, nprocs, kind, free_port(), results), nprocs=nprocs, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(_spawned, args=(entry, args, nprocs, kind, free_port(), results), nprocs=nprocs, join=True,
+                           start_method="spawn")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        failed = [(rank, res) for rank, res in _drain(results) if isinstance(res, _RankError)]
+        if failed:
+            rank, err = failed[0]
+            e = DFlashError(f"rank {rank}: {err.message}")
+            e.exit_code = err.exit_code
+            raise e from None
+        raise
     out: list[Any] = [None] * nprocs
-    while not results.empty():
-        rank, res = results.get()
+    for rank, res in _drain(results):
         out[rank] = res
     return out
+
+
+@dataclass(frozen=True)
+class _RankError:
+    """A spawned rank's DFlashError, sent to the parent (the exception itself may not pickle)."""
+
+    message: str
+    exit_code: int
+
+
+def _drain(results) -> list[tuple[int, Any]]:
+    got = []
+    while not results.empty():
+        got.append(results.get())
+    return got
 
 
 def _spawned(rank: int, entry, args: tuple, world: int, kind: str, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    results.put((rank, entry(Proc(rank, world, rank, kind), *args)))
+    try:
+        res = entry(Proc(rank, world, rank, kind), *args)
+    except DFlashError as e:
+        results.put((rank, _RankError(str(e), e.exit_code)))
+        raise SystemExit(e.exit_code) from None   # the parent stops the other ranks and raises it, one line
+    results.put((rank, res))
 
 
 @contextlib.contextmanager

@@ -81,3 +81,16 @@ def test_spawned_ranks_get_a_launcher_environment_and_a_group():
 def test_progress_line_pickles_without_its_stream():
     line = pickle.loads(pickle.dumps(LiveLine(enabled=False, log_every=3.0)))
     assert not line.enabled and line.log_every == 3.0 and line.stream is not None
+
+
+def _fails_on_rank_1(proc):
+    if proc.rank == 1:
+        raise DFlashError("a user's mistake, found by one rank")
+    return proc.rank
+
+
+def test_a_user_error_in_a_spawned_rank_is_raised_as_one():
+    """A DFlashError in one spawned rank reaches the command as a DFlashError naming the rank (printed as one
+    line), not as the rank's traceback inside a multiprocessing exception."""
+    with pytest.raises(DFlashError, match=r"^rank 1: a user's mistake, found by one rank$"):
+        L.launch(_fails_on_rank_1, (), nprocs=2, kind="cpu")

@@ -520,3 +520,39 @@ def test_no_compile_keeps_every_kernel_eager(tiny_store, tmp_path, monkeypatch):
     assert run_train(_cfg(tiny_store, tmp_path / "eager", steps=2, compile=False))["finished"]
     with pytest.raises(AssertionError, match="compiled kernel"):
         run_train(_cfg(tiny_store, tmp_path / "compiled", steps=2, compile=True))
+
+
+def test_out_of_memory_is_one_line_and_the_checkpoint_stays(tiny_store, tmp_path, monkeypatch):
+    """A step that does not fit the device ends the run with one line naming the step's block tokens and the
+    options that cut its memory, exit code 2, no traceback; the checkpoint written before it is intact, and the
+    run resumed from it ends as the uninterrupted run does."""
+    import dflash_pipeline.train.trainer as trainer_mod
+    from dflash_pipeline.cli import app
+    from typer.testing import CliRunner
+
+    whole = tmp_path / "whole"
+    run_train(_cfg(tiny_store, whole, steps=5))
+    real, calls = trainer_mod.run_blocks, {"n": 0}
+
+    def fails_at_step_4(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.99 GiB")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trainer_mod, "run_blocks", fails_at_step_4)
+    run = tmp_path / "run"
+    args = ["train", "--store", tiny_store, "--out", str(run), "--device", "cpu", "--steps", "5", "--num-layers", "1",
+            "--block-size", "4", "--gamma", "3", "--max-anchors", "8", "--tokens-per-batch", "256", "--max-length",
+            "128", "--eval-fraction", "0.1", "--save-every", "2", "--num-workers", "0", "--lr", "3e-3",
+            "--warmup-ratio", "0", "--quiet"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and "out of memory" in line and "in step 4" in line, line
+    assert "block tokens in a batch (8 anchors a sample over 256 tokens)" in line and "--activation-checkpointing" in line
+    assert "--grad-accum" in line and "step-00000002" in line and "--resume" in line
+    monkeypatch.setattr(trainer_mod, "run_blocks", real)
+    res = CliRunner().invoke(app, args + ["--resume"])
+    assert res.exit_code == 0, res.output
+    assert (run / "final" / "model.safetensors").read_bytes() == (whole / "final" / "model.safetensors").read_bytes()

@@ -134,6 +134,7 @@ class Trainer:
         self.stop = StopRequest()
         self.last_eval: dict[str, Any] = {}
         self.lr, self.in_epoch, self.steps_this_run = 0.0, 1, 0
+        self.last_block_tokens = 0   # the last batch's anchors x block size: what a step's memory follows
         self.records: JsonlLog | None = None    # rank 0's metrics.jsonl and trackers, from `train()`
         self.trackers: Trackers | None = None
 
@@ -221,7 +222,11 @@ class Trainer:
         self._start()
         with stop_signals(self.stop), self._steps() as steps:
             for place, batches in steps:
-                self.train_step(place, batches)
+                try:
+                    self.train_step(place, batches)
+                except torch.OutOfMemoryError:
+                    self.opt.zero_grad(set_to_none=True)
+                    raise self._out_of_memory() from None
                 if self._due(cfg.output.log_every) or self.step == self.total or self.stop.set:
                     self.log()
                 else:
@@ -235,6 +240,20 @@ class Trainer:
                 if self.step >= self.total or self.stop.set:
                     break
         return self._finish()
+
+    def _out_of_memory(self) -> DFlashError:
+        """What to change when a step does not fit the device: memory follows the step's block tokens (anchors
+        x block size), the drafter's width and depth, not its input tokens (BENCHMARKS.md, short samples)."""
+        cfg, d = self.cfg, self.dcfg
+        blocks = self.last_block_tokens
+        ckpt = latest_checkpoint(self.run_dir)
+        return DFlashError(
+            f"out of memory on {self.device} in step {self.step + 1}: {blocks:,} block tokens in a batch "
+            f"({cfg.loss.max_anchors} anchors a sample over {cfg.data.tokens_per_batch:,} tokens) through "
+            f"{d.num_layers} drafter layers of width {d.hidden_size}; pass --activation-checkpointing (or "
+            f"--checkpoint-layers N), or halve --tokens-per-batch and double --grad-accum (the same tokens a step); "
+            + (f"the last checkpoint ({ckpt.name}) is intact: add --resume to go on from it"
+               if ckpt is not None else "no checkpoint was written yet"))
 
     def _due(self, every: int) -> bool:
         """Every `every` steps (never when 0)."""
@@ -253,6 +272,7 @@ class Trainer:
         g_noise = step_generator(cfg.seed, self.proc.rank, self.step, self.device, NOISE_STREAM)
         for i, b in enumerate(batches):
             anchors = draw_anchors(b, loss.max_anchors, g_anchors, cfg.model.block_size)
+            self.last_block_tokens = int((anchors >= 0).sum()) * cfg.model.block_size
             sync = world == 1 or i == len(batches) - 1   # gradients are all-reduced once, with the last
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 out = run_blocks(self.ddp, self.frozen, b, anchors, block_size=cfg.model.block_size,
