@@ -35,7 +35,12 @@
 # once it has finished, so budget the session for the last call: each resume costs ~50 s of start-up, and the
 # evals (chat T=0 and T=1, code, then the alone speedup) ~2 minutes after the last step. Measured: with .qregen
 # (no generation), setup x2, `run data stores recipes` (fp8 extraction ~190 s), then `run recipes` twice, a
-# 3,600-step run of 24,576-token steps and all its evals took 1,570 s of the 30-minute device budget.
+# 3,600-step run of 24,576-token steps and all its evals took 1,570 s of the 30-minute device budget. Without
+# .qregen (2026-12-05, H100): generation 268 s and fp8 extraction 102 s in the first run call, then 64-anchor
+# steps of 49,152 tokens at 0.257 s (--num-workers 12): 1,243 s of device time reached step 1,818 of 3,600, so
+# a whole schedule with generation does not fit one session unless the steps are fewer; and a call that comes
+# later than 30 s after the previous answer finds a fresh machine (the run and its store are gone: only the
+# checkpoint drafters that came back remain).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
