@@ -22,6 +22,10 @@
 #   call 4                   bash bench/quality_gpu.sh run recipes
 #   call 5                   bash bench/quality_gpu.sh run variants curve
 #   call 6                   bash bench/quality_gpu.sh run specforge online summary
+# Or detached, without a deadline (a process in a session of its own outlives its call, until the machine
+# goes back): call 3 `bash bench/quality_gpu.sh start data stores recipes` starts the parts and waits up to
+# WAIT (540) s; every later call `bash bench/quality_gpu.sh wait` waits again, prints what the parts wrote and
+# packs $OUT. One process then trains a whole schedule: no resume costs its start-up and compilation again.
 # Once part `data` has finished, the next call returns the regenerated conversations once, in 15 MiB parts
 # ($OUT/regen-data/regen-data.tgz.part-*: files come back at most 16 MiB each; 40,000 replies are ~26 MB).
 # Copied into .qregen/ here, a later session's setup restores them and part `data` skips the generation
@@ -54,13 +58,76 @@
 #      back per call, default 8: the log and results first, then a drafter, the regenerated data, summary.md;
 #      what finds no room comes with the next call)
 set -uo pipefail
-cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...}
+cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...|start PART...|wait}
 shift
 py=${PYTHON:-python3}
 keep=/tmp/keep
 root=$keep/q
 gguf=$keep/smollm2.gguf
 md5=a1231443440b107ff29f02bdb38c9d0a
+
+assemble_target() {  # the GGUF target from the parts setup restored and the .m3 this call carries
+  [ -f $gguf ] && return 0
+  cat $keep/p0 $keep/p1 .m3/p2 > $gguf && echo "$md5  $gguf" | md5sum -c - \
+    || { rm -f $gguf; echo "the first run call must carry .m3 (after setup calls with .m1 and .m2)"; return 1; }
+}
+
+pack() {  # this call's results into $OUT (nothing without $OUT: a detached run leaves it to `wait`)
+  [ -n "${OUT:-}" ] || return 0
+  # Files come back at most MAX_FILES (8) per call: the log and the results first, then a drafter, then the
+  # regenerated data; what finds no room waits for the next call (nothing is marked returned before it goes)
+  room() { [ $(( $(find "$OUT" -type f | wc -l) + $1 )) -le "${MAX_FILES:-8}" ]; }
+  if [ -d $keep/gpu-all ]; then tar czf $OUT/gpu-all.tgz -C $keep gpu-all bg.log && rm -rf $keep/gpu-all; fi
+  $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
+  tail -c 4000000 $root/log.txt > $OUT/log.txt
+  (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
+    runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
+    runs/*/final/config.json 2>/dev/null)
+  send() {  # send NAME DIR: an exported drafter back to this machine. Files come back at most 16 MiB
+    # each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
+    local w; w=$(ls "$2/"*.safetensors | head -1)
+    local n=$(( $(ls "$2/"*.json | wc -l) + ($(stat -c %s "$w") + 15728639) / 15728640 ))
+    room $n || { echo "drafter $1: no room among the files that come back; it goes with the next call"; return 1; }
+    mkdir -p "$OUT/drafter-$1" && cp "$2/"*.json "$OUT/drafter-$1/" && split -b 15m "$w" "$OUT/drafter-$1/drafter-part-"
+  }
+  keep_run=${KEEP_DRAFTER:-}
+  if [ -z "$keep_run" ]; then  # by default the newest finished drafter, once: a machine lost before its
+    newest=$(ls -td $root/runs/*/final 2>/dev/null | head -1)   # evals ran leaves it here to evaluate
+    if [ -n "$newest" ] && [ ! -f "$(dirname "$newest")/.drafter-returned" ]; then keep_run=$(basename "$(dirname "$newest")"); fi
+  fi
+  if [ -n "$keep_run" ] && [ -d "$root/runs/$keep_run/final" ]; then
+    send "${keep_run//@/-at-}" "$root/runs/$keep_run/final" && touch "$root/runs/$keep_run/.drafter-returned"
+  elif [ -z "${KEEP_DRAFTER:-}" ]; then
+    # none finished: the newest checkpoint of a run stopped at a deadline, exported (once per checkpoint),
+    # so that a machine lost before the run's next call still leaves a drafter to measure
+    ck=$(ls -td $root/runs/*/checkpoints/step-* 2>/dev/null | head -1)
+    if [ -n "$ck" ]; then
+      run_dir=$(dirname "$(dirname "$ck")"); step=$(basename "$ck")
+      name="$(basename "$run_dir")-$step"; name=${name//@/-at-}   # no odd characters in what comes back
+      if [ ! -f "$run_dir/.drafter-returned-$step" ] && [ ! -d "$run_dir/final" ] \
+        && $py -m dflash_pipeline export "$ck" "$keep/partial/$name" > /dev/null; then
+        send "$name" "$keep/partial/$name" && touch "$run_dir/.drafter-returned-$step"
+      fi
+    fi
+  fi
+  if [ -f $root/data/regen.done ] && [ ! -f $root/data/.regen-returned ]; then
+    # once, in 15 MiB parts (files come back at most 16 MiB each); here: copy them into .qregen/
+    # (packed once: the data is final once regen.done exists, and a call without room keeps the parts)
+    tmp=$keep/regen-parts
+    if [ ! -f $tmp/.complete ]; then
+      rm -rf $tmp && mkdir -p $tmp && (cd $root && tar czf - data/regen data/regen.done results/data.json \
+        $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $tmp/regen-data.tgz.part- \
+        && touch $tmp/.complete
+    fi
+    if room "$(ls $tmp | wc -l)"; then
+      rm $tmp/.complete && mv $tmp $OUT/regen-data && touch $root/data/.regen-returned
+    else
+      echo "regenerated data: no room among the files that come back; it goes with the next call"
+    fi
+  fi
+  if room 1; then cp $root/summary.md $OUT/ 2>/dev/null; fi   # also inside quality-results.tgz
+  ls -la $OUT
+}
 
 case $cmd in
 prep)
@@ -111,11 +178,43 @@ setup)
   if [ -d .whl ]; then $py -m pip install -q --no-index --no-deps --no-compile --target $keep/site .whl/*.whl || exit 1; fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
   ls $keep ;;
-run)
-  if [ ! -f $gguf ]; then
-    cat $keep/p0 $keep/p1 .m3/p2 > $gguf && echo "$md5  $gguf" | md5sum -c - \
-      || { rm -f $gguf; echo "the first run call must carry .m3 (after setup calls with .m1 and .m2)"; exit 1; }
+start)
+  # The parts run detached: a process in a session of its own outlives the call that started it (until the
+  # machine goes back), so one process trains the whole schedule and no call pays a resume (~50-90 s of
+  # start-up and compilation each, measured 2026-12-05). They run from a copy of the sources (the next
+  # call's working tree replaces the checkout's files) without a deadline, and this call waits as `wait` does.
+  if [ -f $keep/detached.pid ] && [ ! -f $keep/detached.rc ] && kill -0 "$(cat $keep/detached.pid)" 2>/dev/null; then
+    echo "start: parts already running (pid $(cat $keep/detached.pid)); use wait"; exit 1
   fi
+  assemble_target || exit 1
+  rm -rf $keep/src $keep/detached.rc && mkdir -p $keep/src $root && cp -r bench dflash_pipeline pyproject.toml $keep/src/ || exit 1
+  (cd $keep/src && env -u OUT DETACHED=1 DEADLINE="${DEADLINE:-1000000}" setsid bash bench/quality_gpu.sh run "$@" \
+    < /dev/null > $keep/detached.log 2>&1 &)
+  echo "started detached: $*"
+  ;&
+wait)
+  # Until the detached parts end or WAIT seconds (default 540) have passed; then what they wrote, the newest
+  # training line, and this call's $OUT. Exit status: the parts' own once they have ended, else 0.
+  t0=$SECONDS
+  lines=$( [ -f $root/log.txt ] && wc -l < $root/log.txt || echo 0)
+  sleep 2
+  while [ ! -f $keep/detached.rc ] && [ $((SECONDS - t0)) -lt "${WAIT:-540}" ]; do
+    [ -f $keep/detached.pid ] && ! kill -0 "$(cat $keep/detached.pid)" 2>/dev/null && break   # killed
+    sleep 5
+  done
+  tail -n +$((lines + 1)) $root/log.txt 2>/dev/null | grep -v "^\[.*\] step\|it/s"
+  newest=$(ls -t $root/logs/*.log 2>/dev/null | head -1)
+  [ -n "$newest" ] && { echo "--- $(basename "$newest"):"; tail -n 2 "$newest"; }
+  if [ -f $keep/detached.rc ]; then rc=$(cat $keep/detached.rc); echo "detached parts ended (rc $rc)"
+  elif [ -f $keep/detached.pid ] && ! kill -0 "$(cat $keep/detached.pid)" 2>/dev/null; then
+    rc=1; echo "detached parts died without an exit status:"; tail -n 5 $keep/detached.log
+  else rc=0; echo "detached parts still running after $((SECONDS - t0)) s"; fi
+  export PYTHONPATH=$keep/site:$PWD DFLASH_CACHE=$keep/cache
+  pack
+  exit $rc ;;
+run)
+  assemble_target || exit 1
+  [ -n "${DETACHED:-}" ] && echo $$ > $keep/detached.pid
   export PYTHONPATH=$keep/site:$PWD DFLASH_CACHE=$keep/cache PYTHONUNBUFFERED=1
   mkdir -p $root
   df -h /tmp | tail -1
@@ -139,62 +238,9 @@ run)
     fi
     wait $bg 2>/dev/null; grep "^===" $keep/bg.log
   fi
-  if [ -n "${OUT:-}" ]; then
-    # Files come back at most MAX_FILES (8) per call: the log and the results first, then a drafter, then the
-    # regenerated data; what finds no room waits for the next call (nothing is marked returned before it goes)
-    room() { [ $(( $(find "$OUT" -type f | wc -l) + $1 )) -le "${MAX_FILES:-8}" ]; }
-    if [ -d $keep/gpu-all ]; then tar czf $OUT/gpu-all.tgz -C $keep gpu-all bg.log && rm -rf $keep/gpu-all; fi
-    $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
-    tail -c 4000000 $root/log.txt > $OUT/log.txt
-    (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
-      runs/*/summary.json runs/*/metrics.jsonl runs/*/config.json runs/*/quality-run.json runs/*/online.json \
-      runs/*/final/config.json 2>/dev/null)
-    send() {  # send NAME DIR: an exported drafter back to this machine. Files come back at most 16 MiB
-      # each, so the weights travel in 15 MiB parts; here: cat drafter-part-* > model.safetensors
-      local w; w=$(ls "$2/"*.safetensors | head -1)
-      local n=$(( $(ls "$2/"*.json | wc -l) + ($(stat -c %s "$w") + 15728639) / 15728640 ))
-      room $n || { echo "drafter $1: no room among the files that come back; it goes with the next call"; return 1; }
-      mkdir -p "$OUT/drafter-$1" && cp "$2/"*.json "$OUT/drafter-$1/" && split -b 15m "$w" "$OUT/drafter-$1/drafter-part-"
-    }
-    keep_run=${KEEP_DRAFTER:-}
-    if [ -z "$keep_run" ]; then  # by default the newest finished drafter, once: a machine lost before its
-      newest=$(ls -td $root/runs/*/final 2>/dev/null | head -1)   # evals ran leaves it here to evaluate
-      if [ -n "$newest" ] && [ ! -f "$(dirname "$newest")/.drafter-returned" ]; then keep_run=$(basename "$(dirname "$newest")"); fi
-    fi
-    if [ -n "$keep_run" ] && [ -d "$root/runs/$keep_run/final" ]; then
-      send "${keep_run//@/-at-}" "$root/runs/$keep_run/final" && touch "$root/runs/$keep_run/.drafter-returned"
-    elif [ -z "${KEEP_DRAFTER:-}" ]; then
-      # none finished: the newest checkpoint of a run stopped at a deadline, exported (once per checkpoint),
-      # so that a machine lost before the run's next call still leaves a drafter to measure
-      ck=$(ls -td $root/runs/*/checkpoints/step-* 2>/dev/null | head -1)
-      if [ -n "$ck" ]; then
-        run_dir=$(dirname "$(dirname "$ck")"); step=$(basename "$ck")
-        name="$(basename "$run_dir")-$step"; name=${name//@/-at-}   # no odd characters in what comes back
-        if [ ! -f "$run_dir/.drafter-returned-$step" ] && [ ! -d "$run_dir/final" ] \
-          && $py -m dflash_pipeline export "$ck" "$keep/partial/$name" > /dev/null; then
-          send "$name" "$keep/partial/$name" && touch "$run_dir/.drafter-returned-$step"
-        fi
-      fi
-    fi
-    if [ -f $root/data/regen.done ] && [ ! -f $root/data/.regen-returned ]; then
-      # once, in 15 MiB parts (files come back at most 16 MiB each); here: copy them into .qregen/
-      # (packed once: the data is final once regen.done exists, and a call without room keeps the parts)
-      tmp=$keep/regen-parts
-      if [ ! -f $tmp/.complete ]; then
-        rm -rf $tmp && mkdir -p $tmp && (cd $root && tar czf - data/regen data/regen.done results/data.json \
-          $(ls -d data/regen-t1 data/regen-t1.done 2>/dev/null)) | split -b 15m - $tmp/regen-data.tgz.part- \
-          && touch $tmp/.complete
-      fi
-      if room "$(ls $tmp | wc -l)"; then
-        rm $tmp/.complete && mv $tmp $OUT/regen-data && touch $root/data/.regen-returned
-      else
-        echo "regenerated data: no room among the files that come back; it goes with the next call"
-      fi
-    fi
-    if room 1; then cp $root/summary.md $OUT/ 2>/dev/null; fi   # also inside quality-results.tgz
-    ls -la $OUT
-  fi
+  pack
   df -h /tmp | tail -1
+  [ -n "${DETACHED:-}" ] && echo $rc > $keep/detached.rc
   exit $rc ;;
 *) echo "unknown command $cmd"; exit 2 ;;
 esac
