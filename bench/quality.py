@@ -86,6 +86,9 @@ class Plan:
     eval_new_tokens: int = 192      # each eval prompt's new tokens, and the training estimate's walk per reply
                                     # (`dflash train --eval-new-tokens`): est and real at equal length (whole
                                     # replies of up to 384 tokens read ~20% above their first 192, 2026-12-01)
+    shared_evals: int = 1           # 0: part recipes skips its evals beside each other (chat T=0/T=1, code) and
+                                    # measures only the best run's chat T=0 alone (tau and speedup), picked by its
+                                    # held-out estimate: ~75 s less where a device session is short of time
     eval_compile: int = 0           # 1: the alone eval (the speedup) with `dflash eval --compile`: the first run's
                                     # drafter step (5 SmolLM2-width layers) took 1.65 ms, 0.33 ms per layer against
                                     # the target's 0.11, and compiling fuses its small kernels
@@ -557,7 +560,7 @@ def part_recipes(b: Bench, deadline: float | None) -> None:
     runs = [Run(name, name, b.recipe_store, b.plan.steps, "recipes") for name in b.recipes]
     jobs = [b.train_job(r) for r in runs]
     for r in runs:
-        jobs += b.eval_jobs(r.name)
+        jobs += b.eval_jobs(r.name) if b.plan.shared_evals else []
     # The best drafter's T=0 chat eval again, alone on the machine: its speedup is a speed measurement
     # (the other evals share the GPU and the host). Which drafter is best is known only at its start.
     alone = Job("best__chat__T0__alone", lambda: _best_alone_cmd(b), kind="eval", exclusive=True,
@@ -725,7 +728,7 @@ def main(argv: list[str] | None = None) -> None:
                     "--init-from`): a drafter an earlier session returned trains on (a fresh optimizer and schedule)")
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
-    for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile",
+    for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile", "shared_evals",
                  "online_steps", "speed_steps", "max_new_tokens", "eval_every", "num_workers", "max_length"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the plan's {name}")
     a = ap.parse_args(argv)
