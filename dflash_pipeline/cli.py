@@ -118,6 +118,18 @@ def _budgets(text: str, option: str) -> list[int]:
     return [] if text.strip().lower() in ("", "none") else (_int_list(text, option) or [])
 
 
+def _auto_int(text: str, option: str) -> Optional[int]:
+    """'auto' (None) or an integer."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        from dflash_pipeline.errors import DFlashError
+
+        raise DFlashError(f"{option} takes 'auto' or an integer, got '{text}'") from None
+
+
 def _config(cls, **kwargs):
     """Build a config dataclass; its validation errors become one-line user errors."""
     from dflash_pipeline.errors import DFlashError
@@ -237,7 +249,7 @@ def train(
     stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Checkpoint and exit after N steps of this invocation (time-sliced jobs)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on a corrupt store segment instead of skipping it."),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute each drafter layer in backward: much less activation memory for about a third more compute (see BENCHMARKS.md, memory case)."),
-    checkpoint_layers: int = typer.Option(0, "--checkpoint-layers", help="Recompute only the first N drafter layers in backward: a layer's activations saved per layer, for its forward again (between none and --activation-checkpointing)."),
+    checkpoint_layers: str = typer.Option("auto", "--checkpoint-layers", help="Recompute the first N drafter layers in backward: a layer's activations saved, for its forward again. 'auto': on a GPU, the fewest that let the largest step of the store fit, measured before the first step (none where it fits; see README, memory)."),
     ddp_bucket_mb: float = typer.Option(100.0, "--ddp-bucket-mb", help="Size of DDP's gradient all-reduce buckets (several GPUs; see BENCHMARKS.md)."),
     compile_kernels: bool = typer.Option(True, "--compile/--no-compile", help="On CUDA, run the layers' norms, residual adds, RoPE and the loss's softmax as compiled fused kernels (1.28x faster steps; the first step compiles, ~30-60 s). --no-compile: eager PyTorch, same numbers."),
     seed: int = typer.Option(0, "--seed"),
@@ -260,7 +272,8 @@ def train(
                   eval_tree_budget=_budgets(eval_tree_budget, "--eval-tree-budget"), eval_new_tokens=eval_new_tokens,
                   log_every=log_every, save_every=save_every, resume=resume, init_from=init_from,
                   stop_after=stop_after, strict=strict,
-                  activation_checkpointing=activation_checkpointing, checkpoint_layers=checkpoint_layers,
+                  activation_checkpointing=activation_checkpointing,
+                  checkpoint_layers=_auto_int(checkpoint_layers, "--checkpoint-layers"),
                   ddp_bucket_mb=ddp_bucket_mb, compile=compile_kernels, seed=seed, num_workers=num_workers, wandb=wandb, tensorboard=tensorboard, device=device,
                   quiet=quiet)
     from dflash_pipeline.train.trainer import run_train

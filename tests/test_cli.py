@@ -44,6 +44,8 @@ def test_dflash_command_in_the_environment_is_ours():
     (["train", "--store", "s", "--out", "o", "--epochs", "1", "--steps", "3"], "--epochs or --steps, not both"),
     (["train", "--store", "s", "--out", "o", "--tokens-per-batch", "1000", "--max-length", "300"], "must be a multiple"),
     (["train", "--store", "s", "--out", "o", "--swa-layers", "0,x", "--sliding-window", "4"], "comma-separated integers"),
+    (["train", "--store", "s", "--out", "o", "--checkpoint-layers", "some"], "--checkpoint-layers takes 'auto' or an integer"),
+    (["train", "--store", "s", "--out", "o", "--checkpoint-layers", "-1"], "--checkpoint-layers must be >= 0"),
     (["extract", "--out", "o", "--codec", "zip"], "--codec must be one of bf16, fp8"),
     (["extract", "--out", "o", "--gpus", "two"], "--gpus must be 'all' or a positive number"),
     (["train", "--store", "s", "--out", "o", "--gpus", "two"], "--gpus must be 'all' or a positive number"),

@@ -556,3 +556,53 @@ def test_out_of_memory_is_one_line_and_the_checkpoint_stays(tiny_store, tmp_path
     res = CliRunner().invoke(app, args + ["--resume"])
     assert res.exit_code == 0, res.output
     assert (run / "final" / "model.safetensors").read_bytes() == (whole / "final" / "model.safetensors").read_bytes()
+
+
+
+def _measured_as_if(monkeypatch, fits):
+    """`--checkpoint-layers auto` measuring on the CPU as on a GPU: the real probe step runs (forward and
+    backward of the synthetic largest batch), and `fits(layers, rows)` stands in for the device's memory."""
+    from dflash_pipeline.train import memory, trainer
+
+    rows = []
+
+    def batch(shape, **kw):
+        rows.append(shape.rows)
+        return memory.synthetic_batch(shape, **kw)
+
+    def measure(model, step, *, layers, **kw):
+        ok, peak = memory.measure_step(model, step, layers=layers, **kw)
+        return (ok and fits(layers, rows[-1]), peak)
+
+    monkeypatch.setattr(trainer, "can_measure", lambda device: True)
+    monkeypatch.setattr(trainer, "synthetic_batch", batch)
+    monkeypatch.setattr(trainer, "measure_step", measure)
+
+
+def test_auto_recompute_picks_the_fewest_layers_and_changes_no_numbers(tiny_store, tmp_path, monkeypatch):
+    """The memory probe runs real forward/backward passes before training: the run it configures is the run
+    with that many layers given, weight for weight, and config.json records what was measured."""
+    run_train(_cfg(tiny_store, tmp_path / "given", steps=3, num_layers=3, checkpoint_layers=2))
+    _measured_as_if(monkeypatch, lambda layers, rows: layers >= 2)
+    run_train(_cfg(tiny_store, tmp_path / "auto", steps=3, num_layers=3))
+    assert (tmp_path / "auto" / "final" / "model.safetensors").read_bytes() == \
+        (tmp_path / "given" / "final" / "model.safetensors").read_bytes()
+    plan = json.loads((tmp_path / "auto" / "config.json").read_text())["memory_plan"]
+    assert plan["checkpoint_layers"] == 2 and plan["num_layers"] == 3
+    assert [(p["checkpoint_layers"], p["fits"]) for p in plan["probes"]] == [(0, False), (3, True), (2, True), (1, False)]
+    assert plan["shape"]["rows"] == 2 and plan["shape"]["block_tokens"] == 2 * plan["shape"]["anchors"] * 4
+    # given layers, or off the GPU, nothing is measured
+    assert json.loads((tmp_path / "given" / "config.json").read_text())["memory_plan"] is None
+
+
+def test_a_step_that_fits_no_way_stops_before_training_with_the_micro_batch_that_fits(tiny_store, tmp_path,
+                                                                                         monkeypatch):
+    """Nothing written, and one line naming the --tokens-per-batch / --grad-accum pair that fits."""
+    _measured_as_if(monkeypatch, lambda layers, rows: layers == 2 and rows == 1)
+    with pytest.raises(DFlashError, match=r"even with all 2 drafter layers recomputed.*1 rows a micro-batch fit: "
+                                          r"pass --tokens-per-batch 128 --grad-accum 2 \(the same 256 tokens"):
+        run_train(_cfg(tiny_store, tmp_path / "half", steps=3, num_layers=2))
+    assert not (tmp_path / "half" / "checkpoints").exists() and not (tmp_path / "half" / "metrics.jsonl").exists()
+    _measured_as_if(monkeypatch, lambda layers, rows: False)
+    with pytest.raises(DFlashError, match=r"not even one row fits: pass a smaller --max-anchors or --max-length"):
+        run_train(_cfg(tiny_store, tmp_path / "none", steps=3, num_layers=2))

@@ -204,7 +204,7 @@ class RuntimeConfig:
     num_workers: int = 2
     strict: bool = False
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (memory for compute)
-    checkpoint_layers: int = 0              # recompute only the first N layers (between none and all)
+    checkpoint_layers: int | None = None    # recompute the first N layers; None (auto): measured on the GPU (train/memory.py)
     ddp_bucket_mb: float = 100.0            # DDP all-reduce bucket size (PyTorch's default is 25 MB)
     compile: bool = True                    # fused compiled kernels on CUDA (False: eager, same numbers)
     loss_chunk: int = 4096
@@ -213,7 +213,7 @@ class RuntimeConfig:
         check_gpus(self.gpus)
         if self.loss_chunk < 1:
             raise ValueError("--loss-chunk must be >= 1")
-        if self.checkpoint_layers < 0:
+        if self.checkpoint_layers is not None and self.checkpoint_layers < 0:
             raise ValueError("--checkpoint-layers must be >= 0")
         if self.ddp_bucket_mb <= 0:
             raise ValueError("--ddp-bucket-mb must be > 0")

@@ -15,6 +15,7 @@ the store in from_store.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -40,6 +41,8 @@ from dflash_pipeline.train.from_store import (anchor_coverage, check_init, check
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
+from dflash_pipeline.train.memory import (MemoryPlan, Probe, batch_bytes, can_measure, device_budget, measure_step,
+                                          search_recompute, synthetic_batch, worst_shape)
 from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
 from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, step_generator
 
@@ -118,9 +121,7 @@ class Trainer:
                 self.line.say(self.batch_note)
         self.autocast = proc.kind == "cuda"   # bf16 autocast over fp32 master weights on GPUs
         self.frozen = frozen_tensors(self.reader, device, torch.bfloat16 if self.autocast else torch.float32)
-        self.model, self.ddp = self._build_model()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.optim.weight_decay, fused=proc.kind == "cuda")
+        self.model = self._build_model()
         data = cfg.data
         self.loader = StreamingLoader(r, layers=self.dcfg.target_layer_ids, rank=proc.rank, world=proc.world,
                                       seed=cfg.seed, row_len=data.max_length, rows_per_batch=data.rows_per_batch,
@@ -129,6 +130,11 @@ class Trainer:
         self.per_epoch, self.total = self._schedule_length()
         self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()} \
             if cfg.optim.ema else None
+        # --checkpoint-layers auto: measured now, before DDP and before any checkpoint is written
+        self.memory_plan: MemoryPlan | None = self._plan_memory()
+        self.ddp = self._wrap(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.optim.weight_decay, fused=proc.kind == "cuda")
         self.store_fp = store_fingerprint(self.reader)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.stop = StopRequest()
@@ -138,11 +144,11 @@ class Trainer:
         self.records: JsonlLog | None = None    # rank 0's metrics.jsonl and trackers, from `train()`
         self.trackers: Trackers | None = None
 
-    def _build_model(self):
-        """The drafter (initialised from the seed) and what steps run through: DDP with several ranks."""
+    def _build_model(self) -> DFlashDrafter:
+        """The drafter, initialised from the seed (or --init-from), on the device."""
         cfg, dcfg, proc, rt = self.cfg, self.dcfg, self.proc, self.cfg.runtime
         torch.manual_seed(cfg.seed)
-        checkpointed = dcfg.num_layers if rt.activation_checkpointing else min(rt.checkpoint_layers, dcfg.num_layers)
+        checkpointed = dcfg.num_layers if rt.activation_checkpointing else min(rt.checkpoint_layers or 0, dcfg.num_layers)
         model = DFlashDrafter(dcfg, DrafterOptions(checkpoint_layers=checkpointed,
                                                    compile_kernels=None if rt.compile else False))
         init_drafter_weights(model, generator=torch.Generator().manual_seed(cfg.seed))
@@ -155,16 +161,92 @@ class Trainer:
                       f"from target layers {dcfg.target_layer_ids}, mask token {dcfg.mask_token_id}; "
                       f"{proc.world} process(es) on {proc.kind}")
         if proc.kind == "cuda":
-            self.line.say("the first step compiles FlexAttention" + (" and the fused kernels" if rt.compile else "")
+            first = "measuring the largest step's memory" if self._measures_memory() else "the first step"
+            self.line.say(f"{first} compiles FlexAttention" + (" and the fused kernels" if rt.compile else "")
                           + " (about a minute, once per process; cached on disk for later runs)")
+        return model
+
+    def _wrap(self, model: DFlashDrafter):
+        """What steps run through: the drafter itself, or DDP around it with several ranks."""
+        proc, rt = self.proc, self.cfg.runtime
         if proc.world == 1:
-            return model, model
+            return model
         # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy into them each step,
         # and no second copy of the gradients: 4 GB for a Qwen3-8B-sized drafter).
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[proc.local_rank] if proc.kind == "cuda" else None, gradient_as_bucket_view=True,
             bucket_cap_mb=rt.ddp_bucket_mb)
-        return model, ddp
+        return ddp
+
+    def _measures_memory(self) -> bool:
+        rt = self.cfg.runtime
+        return rt.checkpoint_layers is None and not rt.activation_checkpointing and can_measure(self.device)
+
+    def _plan_memory(self) -> MemoryPlan | None:
+        """--checkpoint-layers auto on a GPU: the fewest recomputed layers that fit this rank's largest step,
+        measured (train/memory.py), agreed over ranks and set on the model; a step that fits in no way ends
+        the run here, before its first step, with the micro-batch that does fit."""
+        if not self._measures_memory():
+            return None
+        cfg, d, dev = self.cfg, self.dcfg, self.device
+        shape = worst_shape([self.loader.epoch_plan(e) for e in range(2)], self.loader.man.supervised,
+                            rows=cfg.data.rows_per_batch, row_len=cfg.data.max_length,
+                            max_anchors=cfg.loss.max_anchors, block_size=cfg.model.block_size)
+        width, topk = d.num_features * d.hidden_size, self.reader.meta.topk
+        moments = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters())   # AdamW, first step
+
+        def held(rows: int) -> int:
+            # the loader's device batches besides the probe's: its prefetch queue, the one being staged,
+            # and the rest of a step's --grad-accum group (the same tokens a step at any micro-batch size)
+            in_flight = self.loader.prefetch + 1 + cfg.optim.grad_accum * shape.rows // rows - 1
+            return moments + in_flight * batch_bytes(dataclasses.replace(shape, rows=rows), width, topk)
+
+        budget, total = device_budget(dev)
+
+        def measure(layers: int, rows: int) -> Probe:
+            def step(model) -> torch.Tensor:
+                batch, anchors = synthetic_batch(dataclasses.replace(shape, rows=rows), width=width, topk=topk,
+                                                 vocab=d.vocab_size, device=dev, seed=cfg.seed)
+                return run_blocks(model, self.frozen, batch, anchors, block_size=cfg.model.block_size,
+                                  mask_token_id=d.mask_token_id, gamma=self.gamma, kl_weight=self.kl_weight,
+                                  cap_weight=cfg.loss.cap_weight, feature_noise=cfg.loss.feature_noise,
+                                  loss_chunk=cfg.runtime.loss_chunk, autocast=self.autocast,
+                                  g=torch.Generator(device=dev).manual_seed(cfg.seed)).loss
+            t0 = time.perf_counter()
+            fits, peak = measure_step(self.model, step, layers=layers, device=dev, held_bytes=held(rows),
+                                      budget_bytes=budget)
+            return Probe(layers, rows, fits, peak, round(time.perf_counter() - t0, 2))
+
+        layers, probes, rows_fit = search_recompute(d.num_layers, shape.rows, measure)
+        need = d.num_layers + 1 if layers is None else layers
+        fit = shape.rows if layers is not None else rows_fit
+        if self.dist is not None:   # the most layers any rank needs; the fewest rows that fit everywhere
+            t = torch.tensor([need, -fit], device=dev)
+            self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+            need, fit = int(t[0]), -int(t[1])
+        plan = MemoryPlan(checkpoint_layers=need if need <= d.num_layers else None, num_layers=d.num_layers,
+                          shape=shape, budget_bytes=budget, total_bytes=total, held_bytes=held(shape.rows),
+                          probes=probes, rows_that_fit=None if need <= d.num_layers else fit)
+        if plan.checkpoint_layers is None:
+            raise self._does_not_fit(plan)
+        self.model.checkpoint_layers = plan.checkpoint_layers
+        if dev.type == "cuda":   # the log's peak is the training's, not the probes'
+            torch.cuda.reset_peak_memory_stats(dev)
+        self.line.say(plan.line())
+        return plan
+
+    def _does_not_fit(self, plan: MemoryPlan) -> DFlashError:
+        cfg, s = self.cfg, plan.shape
+        head = (f"the largest step does not fit {self.device} ({plan.budget_bytes / 2 ** 30:.1f} GiB of "
+                f"{plan.total_bytes / 2 ** 30:.1f} GiB usable) even with all {plan.num_layers} drafter layers "
+                f"recomputed: {s.rows} rows of {s.row_len:,} tokens, {s.block_tokens:,} block tokens "
+                f"({cfg.loss.max_anchors} anchors a sample)")
+        if plan.rows_that_fit:
+            f = s.rows // plan.rows_that_fit
+            return DFlashError(f"{head}; {plan.rows_that_fit} rows a micro-batch fit: pass --tokens-per-batch "
+                               f"{plan.rows_that_fit * s.row_len} --grad-accum {cfg.optim.grad_accum * f} (the "
+                               f"same {s.tokens * cfg.optim.grad_accum:,} tokens a step)")
+        return DFlashError(f"{head}; not even one row fits: pass a smaller --max-anchors or --max-length")
 
     def _schedule_length(self) -> tuple[int, int]:
         """(optimizer steps per epoch, steps in the whole run)."""
@@ -326,6 +408,7 @@ class Trainer:
                 "train": cfg.to_dict(), "drafter": self.dcfg.to_dict(), "gamma": self.gamma, "kl_weight": self.kl_weight,
                 "feature_noise_over_rms": self.noise_over_rms, "anchor_coverage": self.anchor_coverage,
                 "world_size": proc.world,
+                "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
                 "steps_total": self.total, "steps_per_epoch": self.per_epoch,
                 "store": {"url": cfg.data.store, "fingerprint": self.store_fp, "meta": self.reader.meta.to_dict()},
                 "tool_version": __version__}, indent=1))
