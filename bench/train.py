@@ -18,8 +18,13 @@
             where its time goes (every quality run's training minutes are these steps); and the same
             with 8 layers (the deeper recipe), as a ratio to the 5-layer step.
 
-    python bench/train.py [--only step|memory|smollm2|short] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
+  auto      (only when asked) `dflash train --checkpoint-layers auto`'s measured choice on the short-sample and
+            memory cases: the layers it picks, its search time, and the chosen configuration's steps (they must
+            run; the probe's peak should bound theirs)
+
+    python bench/train.py [--only step|memory|smollm2|short|auto] [--steps 10] [--json OUT.json] [--profile KERNELS.txt]
     python bench/train.py --smoke      # tiny shapes on the CPU: checks the script before GPU time
+    python bench/train.py --smoke-auto # the same for the auto case's search
 """
 
 from __future__ import annotations
@@ -115,9 +120,9 @@ def profile_table(fn, path: str, steps: int = 2) -> None:
         f.write(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90))
 
 
-def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
-               head_dim=128, checkpoint_layers=0, profile: str | None = None, compiled: bool = True,
-               doc_len: int | None = None):
+def setup(*, H, I, heads, kv, V, B, anchors, R, S, layers=5, head_dim=128, checkpoint_layers=0,
+          compiled: bool = True, doc_len: int | None = None):
+    """(device, drafter config, drafter, optimizer, frozen head, batch, host-drawn anchors, gamma) of a case."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                         head_dim=head_dim, vocab_size=V, block_size=B, mask_token_id=V - 1,
@@ -134,6 +139,17 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     gamma = {16: 7.0, 32: 10.0}.get(B, 7.0)
     g = torch.Generator().manual_seed(1)
     anchors = draw_anchors(batch, anchors, g, B)  # on the host, as the trainer draws them
+    return device, cfg, model, opt, frozen, batch, anchors, gamma
+
+
+def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, layers=5, conventional=True,
+               head_dim=128, checkpoint_layers=0, profile: str | None = None, compiled: bool = True,
+               doc_len: int | None = None):
+    device, cfg, model, opt, frozen, batch, anchors, gamma = setup(
+        H=H, I=I, heads=heads, kv=kv, V=V, B=B, anchors=anchors, R=R, S=S, layers=layers, head_dim=head_dim,
+        checkpoint_layers=checkpoint_layers, compiled=compiled, doc_len=doc_len)
+    head = frozen.head_VH
+    g = torch.Generator().manual_seed(1)
     flops = {}
 
     stages = {"forward+loss": [], "backward": [], "optimizer": []}
@@ -188,13 +204,68 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
     return res
 
 
+def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
+    """`dflash train --checkpoint-layers auto` on a case: the trainer's search (train/memory.py) over a synthetic
+    batch of the case's step shape, holding what the trainer holds beside a step (AdamW's moments, the loader's
+    3 device batches in flight), then the case's real steps with the layers it chose: whether they ran, and the
+    probe's peak against theirs (the probe's should be the larger: every block slot labelled, the held bytes)."""
+    import dataclasses
+
+    from dflash_pipeline.train.memory import (Probe, StepShape, batch_bytes, device_budget, measure_step,
+                                              search_recompute, synthetic_batch)
+
+    device, cfg, model, opt, frozen, batch, anchors, gamma = setup(**shape)
+    st = StepShape(rows=shape["R"], row_len=shape["S"], anchors=anchors.shape[1], block_size=shape["B"])
+    width, K = cfg.num_features * cfg.hidden_size, batch.topk_ids.shape[-1]
+    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    del batch, opt
+    budget, total = device_budget(device)
+
+    def measure(layers: int, rows: int) -> Probe:
+        small = dataclasses.replace(st, rows=rows)
+
+        def step(m):
+            b, a = synthetic_batch(small, width=width, topk=K, vocab=cfg.vocab_size, device=device)
+            return run_blocks(m, frozen, b, a, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                              gamma=gamma, kl_weight=0.15 if kl else 0.0, cap_weight=0.0, feature_noise=0.0,
+                              loss_chunk=4096, g=None, autocast=device.type == "cuda").loss
+        t0 = time.perf_counter()
+        fits, peak = measure_step(model, step, layers=layers, device=device, budget_bytes=budget,
+                                  held_bytes=moments + 3 * st.rows // rows * batch_bytes(small, width, K))
+        print(f"  probe: {layers} layers recomputed, {rows} rows: "
+              + (f"peak {peak / 2 ** 30:.1f} GiB" if peak is not None else "out of memory")
+              + f" ({'fits' if fits else 'does not fit'} {budget / 2 ** 30:.1f} GiB), {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        return Probe(layers, rows, fits, peak, round(time.perf_counter() - t0, 2))
+
+    t0 = time.perf_counter()
+    layers, probes, rows = search_recompute(cfg.num_layers, st.rows, measure)
+    res = {"case": name, "block_tokens": st.block_tokens, "budget_gib": budget / 2 ** 30, "total_gib": total / 2 ** 30,
+           "chosen_layers": layers, "rows_that_fit": rows, "search_s": time.perf_counter() - t0,
+           "probes": [dataclasses.asdict(p) for p in probes]}
+    del model, frozen
+    gc.collect()
+    torch.cuda.empty_cache()
+    if layers is not None:
+        chosen = max((p for p in probes if p.fits and p.checkpoint_layers == layers), key=lambda p: p.rows)
+        step = bench_case(f"{name}, {layers} layers recomputed (chosen)", kl=kl, steps=steps, conventional=False,
+                          checkpoint_layers=layers, **shape)
+        res.update(step=step, probe_peak_gib=chosen.peak_bytes / 2 ** 30,
+                   probe_over_step_peak=chosen.peak_bytes / 2 ** 30 / max(step["peak_gib"], 1e-9))
+    print(f"{name}: auto chose {layers} layers recomputed" + (f" (rows that fit: {rows})" if layers is None else
+          f"; probe peak {res['probe_peak_gib']:.1f} GiB, steps' peak {res['step']['peak_gib']:.1f} GiB, "
+          f"{res['step']['step_s'] * 1e3:.0f} ms/step") + f"; search {res['search_s']:.0f} s", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["step", "memory", "smollm2", "short"], default=None)
+    ap.add_argument("--only", choices=["step", "memory", "smollm2", "short", "auto"], default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write the step's CUDA kernels by GPU time to this file")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU is fine): check the script runs")
+    ap.add_argument("--smoke-auto", action="store_true", help="the auto case's search on tiny shapes (CPU is fine)")
     args = ap.parse_args()
     out = {"date": time.strftime("%Y-%m-%d"),
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "results": []}
@@ -203,6 +274,11 @@ def main() -> None:
                                          kl=True, steps=2, layers=2, head_dim=32, profile=args.profile,
                                          doc_len=24))
         print(out["results"])
+        return
+    if args.smoke_auto:
+        out["auto"] = [plan_case("smoke", H=128, I=256, heads=4, kv=2, V=500, B=16, anchors=8, R=2, S=64, kl=True,
+                                 steps=2, layers=2, head_dim=32, doc_len=24)]
+        print(out["auto"])
         return
     if args.only in (None, "step"):
         out["results"].append(bench_case("qwen3-8b drafter, 4x3072, 512 anchors, B=16", H=4096, I=12288, heads=32,
@@ -240,6 +316,17 @@ def main() -> None:
                 out["results"].append({"case": case, "oom": str(e).split(". ")[0]})
                 print(f"{case}: out of memory ({out['results'][-1]['oom']})", flush=True)
             gc.collect()
+    if args.only == "auto":
+        # `--checkpoint-layers auto` on the cases whose recompute was chosen by hand before: the 8B-shaped drafter
+        # on short samples (out of memory on 80 GB without recompute, 68 GiB with all 5 layers) and the memory case
+        # (65 GiB with none, 52 with 2): what it picks, how long its search takes, and whether the steps then run
+        out["auto"] = [
+            plan_case("short samples (340 tokens): 64 anchors a sample over 16x3072", H=4096, I=12288, heads=32,
+                      kv=8, V=151936, B=16, anchors=64, R=16, S=3072, kl=True, steps=args.steps, doc_len=340),
+            plan_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL", H=5120, I=17408,
+                      heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152, kl=True,
+                      steps=max(3, args.steps // 3))]
+        out["results"] = [a["step"] for a in out["auto"] if "step" in a]
     if args.only in (None, "memory"):
         out["results"].append(bench_case("memory case: H=5120, V=248320, B=32, 1024 anchors, 49152-token row, KL",
                                          H=5120, I=17408, heads=40, kv=8, V=248320, B=32, anchors=1024, R=1, S=49152,
