@@ -45,14 +45,14 @@ def test_row_anchor_bound_caps_per_sample_and_by_supervised_tokens():
     assert row_anchor_bound(pieces, supervised, 1000) == 79 + 2 + 49 + 0
 
 
-def _tiny_drafter(vocab=64, layers=2):
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
-                        head_dim=8, vocab_size=vocab, block_size=4, mask_token_id=vocab - 1,
+def _tiny_drafter(vocab=64, layers=2, hidden=32, head_dim=8):
+    cfg = DrafterConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=4,
+                        num_kv_heads=2, head_dim=head_dim, vocab_size=vocab, block_size=4, mask_token_id=vocab - 1,
                         target_layer_ids=[0, 1], num_target_layers=2)
     model = DFlashDrafter(cfg, DrafterOptions(compile_kernels=False))
     init_drafter_weights(model, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
-    frozen = Frozen(torch.randn(vocab, 32, generator=g), torch.randn(vocab, 32, generator=g))
+    frozen = Frozen(torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g))
     return cfg, model, frozen
 
 
@@ -139,13 +139,14 @@ def test_measure_step_on_the_gpu_reads_the_peak_and_survives_a_real_out_of_memor
     """On the device: the peak includes what is held beside the step, a budget below it does not fit, and a
     real out-of-memory error leaves nothing allocated behind."""
     dev = torch.device("cuda")
-    cfg, model, frozen = _tiny_drafter()
+    # FlexAttention on CUDA needs a head dimension of at least 16; the features are 2 layers x hidden 64
+    cfg, model, frozen = _tiny_drafter(hidden=64, head_dim=16)
     model.to(dev)
     frozen = Frozen(frozen.embed_VH.to(dev), frozen.head_VH.to(dev))
     shape = StepShape(rows=2, row_len=256, anchors=64, block_size=4)
 
     def step(m):
-        batch, anchors = synthetic_batch(shape, width=64, topk=5, vocab=cfg.vocab_size, device=dev)
+        batch, anchors = synthetic_batch(shape, width=128, topk=5, vocab=cfg.vocab_size, device=dev)
         return _loss(m, frozen, batch, anchors, cfg).loss
 
     base = torch.cuda.memory_allocated(dev)
