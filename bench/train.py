@@ -207,7 +207,7 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
 def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
     """`dflash train --checkpoint-layers auto` on a case: the trainer's search (train/memory.py) over a synthetic
     batch of the case's step shape, holding what the trainer holds beside a step (AdamW's moments, the loader's
-    3 device batches in flight), then the case's real steps with the layers it chose: whether they ran, and the
+    4 device batches in flight), then the case's real steps with the layers it chose: whether they ran, and the
     probe's peak against theirs (the probe's should be the larger: every block slot labelled, the held bytes)."""
     import dataclasses
 
@@ -231,7 +231,7 @@ def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
                               loss_chunk=4096, g=None, autocast=device.type == "cuda").loss
         t0 = time.perf_counter()
         fits, peak = measure_step(model, step, layers=layers, device=device, budget_bytes=budget,
-                                  held_bytes=moments + 3 * st.rows // rows * batch_bytes(small, width, K))
+                                  held_bytes=moments + 4 * st.rows // rows * batch_bytes(small, width, K))
         print(f"  probe: {layers} layers recomputed, {rows} rows: "
               + (f"peak {peak / 2 ** 30:.1f} GiB" if peak is not None else "out of memory")
               + f" ({'fits' if fits else 'does not fit'} {budget / 2 ** 30:.1f} GiB), {time.perf_counter() - t0:.1f} s",

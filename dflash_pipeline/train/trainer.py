@@ -196,9 +196,12 @@ class Trainer:
         moments = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters())   # AdamW, first step
 
         def held(rows: int) -> int:
-            # the loader's device batches besides the probe's: its prefetch queue, the one being staged,
-            # and the rest of a step's --grad-accum group (the same tokens a step at any micro-batch size)
-            in_flight = self.loader.prefetch + 1 + cfg.optim.grad_accum * shape.rows // rows - 1
+            # the loader's device batches besides the probe's: its prefetch queue, the one the prefetch
+            # thread has staged and waits to queue, the previous step's (the host runs ahead of the GPU, and
+            # a batch's memory returns to the allocator only once the kernels that read it have run), and
+            # the rest of a step's --grad-accum group (the same tokens a step at any micro-batch size).
+            # Without the previous step's, an H100 run peaked 1.4% above its probe (BENCHMARKS.md, 2026-12-06)
+            in_flight = self.loader.prefetch + 2 + cfg.optim.grad_accum * shape.rows // rows - 1
             return moments + in_flight * batch_bytes(dataclasses.replace(shape, rows=rows), width, topk)
 
         budget, total = device_budget(dev)
