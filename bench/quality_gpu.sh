@@ -44,7 +44,10 @@
 # steps of 49,152 tokens at 0.257 s (--num-workers 12): 1,243 s of device time reached step 1,818 of 3,600, so
 # a whole schedule with generation does not fit one session unless the steps are fewer; and a call that comes
 # later than 30 s after the previous answer finds a fresh machine (the run and its store are gone: only the
-# checkpoint drafters that came back remain).
+# checkpoint drafters that came back remain). With .qregen, detached (2026-12-06, H100): setup x2, then with
+# .m3 .qregen `setup` + `start data stores recipes` (extraction 122 s, then 3,000 64-anchor steps in 793 s,
+# start-up and the memory probe ~40 s), one `wait` (the alone speedup), `run recipes` (chat T=0 / T=1 and
+# code, 62 s in parallel): 1,143 s of device time for the whole schedule and its evals.
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
