@@ -207,12 +207,13 @@ def bench_case(name: str, *, H, I, heads, kv, V, B, anchors, R, S, kl, steps, la
 def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
     """`dflash train --checkpoint-layers auto` on a case: the trainer's search (train/memory.py) over a synthetic
     batch of the case's step shape, holding what the trainer holds beside a step (AdamW's moments, the loader's
-    4 device batches in flight), then the case's real steps with the layers it chose: whether they ran, and the
-    probe's peak against theirs (the probe's should be the larger: every block slot labelled, the held bytes)."""
+    device batches in flight: `held_bytes`), then the case's real steps with the layers it chose (where the
+    batch runs in chunks of rows, the steps of one chunk): whether they ran, and the probe's peak against
+    theirs (the probe's should be the larger: every block slot labelled, the held bytes)."""
     import dataclasses
 
-    from dflash_pipeline.train.memory import (Probe, StepShape, batch_bytes, device_budget, measure_step,
-                                              search_recompute, synthetic_batch)
+    from dflash_pipeline.train.memory import (Probe, StepShape, batch_bytes, device_budget, held_bytes,
+                                              measure_step, search_recompute, synthetic_batch)
 
     device, cfg, model, opt, frozen, batch, anchors, gamma = setup(**shape)
     st = StepShape(rows=shape["R"], row_len=shape["S"], anchors=anchors.shape[1], block_size=shape["B"])
@@ -230,8 +231,9 @@ def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
                               gamma=gamma, kl_weight=0.15 if kl else 0.0, cap_weight=0.0, feature_noise=0.0,
                               loss_chunk=4096, g=None, autocast=device.type == "cuda").loss
         t0 = time.perf_counter()
-        fits, peak = measure_step(model, step, layers=layers, device=device, budget_bytes=budget,
-                                  held_bytes=moments + 4 * st.rows // rows * batch_bytes(small, width, K))
+        held = held_bytes(moments=moments, batch=batch_bytes(st, width, K), chunk=batch_bytes(small, width, K),
+                          prefetch=2, grad_accum=1)   # the trainer's loader defaults
+        fits, peak = measure_step(model, step, layers=layers, device=device, budget_bytes=budget, held_bytes=held)
         print(f"  probe: {layers} layers recomputed, {rows} rows: "
               + (f"peak {peak / 2 ** 30:.1f} GiB" if peak is not None else "out of memory")
               + f" ({'fits' if fits else 'does not fit'} {budget / 2 ** 30:.1f} GiB), {time.perf_counter() - t0:.1f} s",
@@ -241,18 +243,21 @@ def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
     t0 = time.perf_counter()
     layers, probes, rows = search_recompute(cfg.num_layers, st.rows, measure)
     res = {"case": name, "block_tokens": st.block_tokens, "budget_gib": budget / 2 ** 30, "total_gib": total / 2 ** 30,
-           "chosen_layers": layers, "rows_that_fit": rows, "search_s": time.perf_counter() - t0,
+           "chosen_layers": layers, "chunk_rows": rows, "search_s": time.perf_counter() - t0,
            "probes": [dataclasses.asdict(p) for p in probes]}
     del model, frozen
     gc.collect()
     torch.cuda.empty_cache()
     if layers is not None:
-        chosen = max((p for p in probes if p.fits and p.checkpoint_layers == layers), key=lambda p: p.rows)
-        step = bench_case(f"{name}, {layers} layers recomputed (chosen)", kl=kl, steps=steps, conventional=False,
-                          checkpoint_layers=layers, **shape)
+        chosen = next(p for p in probes if p.fits and (p.checkpoint_layers, p.rows) == (layers, rows))
+        chunked = rows < st.rows
+        step = bench_case(f"{name}, {layers} layers recomputed (chosen)" + (f", one chunk of {rows} rows" if chunked
+                                                                           else ""),
+                          kl=kl, steps=steps, conventional=False, checkpoint_layers=layers, **{**shape, "R": rows})
         res.update(step=step, probe_peak_gib=chosen.peak_bytes / 2 ** 30,
                    probe_over_step_peak=chosen.peak_bytes / 2 ** 30 / max(step["peak_gib"], 1e-9))
-    print(f"{name}: auto chose {layers} layers recomputed" + (f" (rows that fit: {rows})" if layers is None else
+    chunks = f" in chunks of {rows} of {st.rows} rows" if layers is not None and rows < st.rows else ""
+    print(f"{name}: auto chose {layers} layers recomputed{chunks}" + (" (nothing fits)" if layers is None else
           f"; probe peak {res['probe_peak_gib']:.1f} GiB, steps' peak {res['step']['peak_gib']:.1f} GiB, "
           f"{res['step']['step_s'] * 1e3:.0f} ms/step") + f"; search {res['search_s']:.0f} s", flush=True)
     return res

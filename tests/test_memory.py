@@ -23,18 +23,21 @@ def _fake(fits):
 @pytest.mark.parametrize("need", range(6))
 def test_search_finds_the_fewest_layers_that_fit(need):
     layers, probes, rows = search_recompute(5, 8, _fake(lambda k, r: k >= need))
-    assert layers == need and rows is None
+    assert layers == need and rows == 8
     assert [p.checkpoint_layers for p in probes][:2] == ([0] if need == 0 else [0, 5])
     assert len(probes) <= 2 + 3          # none, all, and a bisection of 1..5
 
 
-def test_search_finds_the_micro_batch_when_no_layer_count_fits():
-    layers, probes, rows = search_recompute(5, 8, _fake(lambda k, r: k == 5 and r <= 2))
-    assert layers is None and rows == 2
-    assert [(p.checkpoint_layers, p.rows) for p in probes] == [(0, 8), (5, 8), (5, 4), (5, 2)]
-    # odd rows cannot be halved: nothing fits
-    assert search_recompute(5, 3, _fake(lambda k, r: False))[2] == 0
-    assert search_recompute(5, 8, _fake(lambda k, r: False))[2] == 0
+def test_search_finds_the_rows_a_pass_takes_when_no_layer_count_fits_the_batch():
+    """All layers at halved rows until they fit, then the fewest layers at that size (all known to fit)."""
+    layers, probes, rows = search_recompute(5, 8, _fake(lambda k, r: r <= 2 and k >= 3))
+    assert (layers, rows) == (3, 2)
+    assert [(p.checkpoint_layers, p.rows) for p in probes] == [(0, 8), (5, 8), (5, 4), (5, 2), (0, 2), (3, 2), (2, 2)]
+    # rows that do not halve evenly round up: chunks of 2, 2 and 1 of 5 rows take at most 2 at a time
+    layers, probes, rows = search_recompute(5, 5, _fake(lambda k, r: r <= 2))
+    assert (layers, rows) == (0, 2) and [p.rows for p in probes] == [5, 5, 3, 2, 2]
+    assert search_recompute(5, 3, _fake(lambda k, r: False))[::2] == (None, 0)
+    assert search_recompute(5, 8, _fake(lambda k, r: False))[::2] == (None, 0)
 
 
 def test_row_anchor_bound_caps_per_sample_and_by_supervised_tokens():
@@ -124,14 +127,24 @@ def test_plan_line_and_record():
     shape = StepShape(rows=4, row_len=3072, anchors=592, block_size=16)
     plan = MemoryPlan(checkpoint_layers=3, num_layers=5, shape=shape, budget_bytes=70 << 30, total_bytes=80 << 30,
                       held_bytes=1 << 30, probes=[Probe(0, 4, False, None), Probe(5, 4, True, 40 << 30),
-                                                  Probe(2, 4, False, 75 << 30), Probe(3, 4, True, 60 << 30)])
+                                                  Probe(2, 4, False, 75 << 30), Probe(3, 4, True, 60 << 30)],
+                      chunk_rows=4)
     line = plan.line()
     assert "37,888 block tokens" in line and "60.0 GiB of a 70.0 GiB budget" in line and "3 of 5" in line
-    assert plan.to_dict()["shape"]["block_tokens"] == 37_888
+    assert "chunks" not in line and plan.chunks == 1
+    assert plan.to_dict()["shape"]["block_tokens"] == 37_888 and plan.to_dict()["chunk_rows"] == 4
     # ranks agree on the most layers any needs: this rank's own measurement is named as such
     plan.checkpoint_layers, plan.probes = 2, [Probe(0, 4, True, 30 << 30)]
-    assert "30.0 GiB" in plan.line() and "0 layers recomputed here (other ranks need more)" in plan.line()
+    assert "30.0 GiB" in plan.line() and "as measured here (other ranks need more)" in plan.line()
     assert "2 of 5 drafter layers" in plan.line()
+    # a batch that runs in chunks of rows says so, with the chunk's peak
+    plan.checkpoint_layers, plan.chunk_rows = 5, 3
+    plan.probes = [Probe(0, 4, False, None), Probe(5, 4, False, None), Probe(5, 2, True, 50 << 30),
+                   Probe(0, 2, False, None), Probe(3, 2, False, None), Probe(4, 2, False, None)]
+    plan.chunk_rows = 2
+    line = plan.line()
+    assert plan.chunks == 2 and "50.0 GiB in chunks of 2 rows" in line and "in 2 chunks of 2 rows" in line
+    assert "other ranks" not in line
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_pipeline.errors import ConfigMismatchError, DFlashError
 from dflash_pipeline.schemas.config import TrainConfig
@@ -606,14 +607,32 @@ def test_auto_recompute_picks_the_fewest_layers_and_changes_no_numbers(tiny_stor
     assert json.loads((tmp_path / "given" / "config.json").read_text())["memory_plan"] is None
 
 
-def test_a_step_that_fits_no_way_stops_before_training_with_the_micro_batch_that_fits(tiny_store, tmp_path,
-                                                                                         monkeypatch):
-    """Nothing written, and one line naming the --tokens-per-batch / --grad-accum pair that fits."""
-    _measured_as_if(monkeypatch, lambda layers, rows: layers == 2 and rows == 1)
-    with pytest.raises(DFlashError, match=r"even with all 2 drafter layers recomputed.*1 rows a micro-batch fit: "
-                                          r"pass --tokens-per-batch 128 --grad-accum 2 \(the same 256 tokens"):
-        run_train(_cfg(tiny_store, tmp_path / "half", steps=3, num_layers=2))
-    assert not (tmp_path / "half" / "checkpoints").exists() and not (tmp_path / "half" / "metrics.jsonl").exists()
+def test_a_batch_that_fits_no_way_whole_runs_in_chunks_of_rows_as_the_same_step(tiny_store, tmp_path, monkeypatch):
+    """Where no recompute fits the whole batch, each batch runs forward and backward one row at a time with the
+    fewest layers that fit a row: the same steps as the whole batch (losses and weights), and config.json says
+    so. Where not even one row fits, the run stops before its first step, nothing written."""
+    run_train(_cfg(tiny_store, tmp_path / "whole", steps=3, num_layers=2, checkpoint_layers=1))
+    _measured_as_if(monkeypatch, lambda layers, rows: rows == 1 and layers >= 1)
+    run_train(_cfg(tiny_store, tmp_path / "chunked", steps=3, num_layers=2))
+    plan = json.loads((tmp_path / "chunked" / "config.json").read_text())["memory_plan"]
+    assert (plan["checkpoint_layers"], plan["chunk_rows"], plan["shape"]["rows"]) == (1, 1, 2)
+    assert [(p["checkpoint_layers"], p["rows"], p["fits"]) for p in plan["probes"]] == \
+        [(0, 2, False), (2, 2, False), (2, 1, True), (0, 1, False), (1, 1, True)]
+    whole, chunked = _records(tmp_path / "whole"), _records(tmp_path / "chunked")
+    assert len(whole) == len(chunked) == 3
+    for key in ("loss", "ce", "kl", "cap", "acc", "streak"):
+        assert [r[key] for r in chunked] == pytest.approx([r[key] for r in whole], rel=1e-5), key
+    a = load_file(str(tmp_path / "whole" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "chunked" / "final" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
     _measured_as_if(monkeypatch, lambda layers, rows: False)
-    with pytest.raises(DFlashError, match=r"not even one row fits: pass a smaller --max-anchors or --max-length"):
+    with pytest.raises(DFlashError, match=r"even one row at a time with all 2 drafter layers recomputed.*pass a "
+                                          r"smaller --max-anchors or --max-length"):
         run_train(_cfg(tiny_store, tmp_path / "none", steps=3, num_layers=2))
+    assert not (tmp_path / "none" / "checkpoints").exists() and not (tmp_path / "none" / "metrics.jsonl").exists()
+
+
+def _records(run):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]

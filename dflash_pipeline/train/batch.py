@@ -46,6 +46,12 @@ class Batch:
         return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in self.TENSOR_FIELDS),
                      self.num_tokens, self.sample_ids, host)
 
+    def rows(self, start: int, stop: int) -> "Batch":
+        """Rows [start, stop) as a batch of their own (views, no copy; host copies sliced alike)."""
+        host = {f: t[start:stop] for f, t in self.host.items()} if self.host is not None else None
+        doc = host["doc"] if host is not None else self.doc[start:stop]
+        return Batch(*(getattr(self, f)[start:stop] for f in self.TENSOR_FIELDS), int((doc >= 0).sum()), [], host)
+
     def host_fields(self) -> dict[str, torch.Tensor]:
         """tokens, loss_mask, pos and doc on the host (copied from the device once if not kept)."""
         if self.host is None:

@@ -11,11 +11,14 @@ hold itself is held for it while it runs: the optimizer's two moments (allocated
 the device batches the loader keeps in flight. The search (`search_recompute`) tries no recompute
 first (one probe in the common case), then every layer, then the fewest layers in between by bisection
 (recomputing more layers never needs more memory). Where even every layer does not fit, it halves the
-micro-batch's rows until one fits and the run stops before its first step with one line naming the
-`--tokens-per-batch` / `--grad-accum` pair that keeps the same tokens a step.
+rows a forward pass takes until every layer recomputed fits, then looks for the fewest layers at that
+size: each batch then runs forward and backward in chunks of that many rows, its gradients accumulated
+and its loss normalised over the whole batch, so the step is the same step (the same batch, anchors,
+loss and optimizer update; only the sums' order differs). Where not even one row fits, the run stops
+before its first step with one line naming what to cut.
 
-Ranks agree on the result (the most layers any rank needs), so DDP runs one configuration. Off the GPU
-nothing is measured: `auto` recomputes nothing there.
+Ranks agree on the result (the most layers and the fewest rows any rank needs), so DDP runs one
+configuration. Off the GPU nothing is measured: `auto` recomputes nothing there.
 
 Legend: R rows, S row length, A anchors a row (padded), B block size, F = features x hidden, K top-k.
 """
@@ -115,8 +118,9 @@ class Probe:
 
 @dataclass
 class MemoryPlan:
-    """What the probes found: the layers to recompute (None where nothing fits the budget), and, where
-    nothing fits, the largest micro-batch (rows) that does with every layer recomputed (0: not even one row)."""
+    """What the probes found: the layers to recompute and the rows a forward pass takes (`chunk_rows`: the
+    batch's rows when it fits whole, fewer where each batch runs in chunks of that many rows); layers None
+    and chunk_rows 0 where not even one row fits. `held_bytes`: what was held beside the chosen size."""
 
     checkpoint_layers: int | None
     num_layers: int
@@ -125,14 +129,20 @@ class MemoryPlan:
     total_bytes: int
     held_bytes: int
     probes: list[Probe] = field(default_factory=list)
-    rows_that_fit: int | None = None
+    chunk_rows: int = 0
+
+    @property
+    def chunks(self) -> int:
+        """Forward/backward passes a batch of the largest shape takes."""
+        return -(-self.shape.rows // self.chunk_rows) if self.chunk_rows else 0
 
     def chosen(self) -> Probe | None:
-        """The measured probe behind the choice: the fitting full-size one with the most layers recomputed up
-        to the chosen count (ranks agree on the most any of them needs, which may exceed this rank's own)."""
-        ok = [p for p in self.probes if p.fits and p.rows == self.shape.rows and self.checkpoint_layers is not None
+        """The measured probe behind the choice: the fitting one at the chosen rows with the most layers
+        recomputed up to the chosen count (ranks agree on the most layers and the fewest rows any of them
+        needs, which may exceed this rank's own: then its probe at more rows, which needs more memory)."""
+        ok = [p for p in self.probes if p.fits and self.checkpoint_layers is not None and p.rows >= self.chunk_rows
               and p.checkpoint_layers <= self.checkpoint_layers]
-        return max(ok, key=lambda p: p.checkpoint_layers, default=None)
+        return min(ok, key=lambda p: (p.rows, -p.checkpoint_layers), default=None)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -147,42 +157,65 @@ class MemoryPlan:
             return f"memory: {where} does not fit the budget of {self.budget_bytes / gib:.1f} GiB"
         layers = ("no drafter layer recomputed" if self.checkpoint_layers == 0 else
                   f"{self.checkpoint_layers} of {self.num_layers} drafter layers recomputed in backward")
-        return (f"memory (measured): {where} peaks at {chosen.peak_bytes / gib:.1f} GiB of a "
+        split = "" if self.chunks <= 1 else (
+            f"; it does not fit whole even with every layer recomputed, so each batch runs forward and backward "
+            f"in {self.chunks} chunks of {self.chunk_rows} rows (the same step: gradients accumulated, the loss "
+            f"normalised over the batch)")
+        rows = "" if chosen.rows == self.shape.rows else f" in chunks of {chosen.rows} rows"
+        return (f"memory (measured): {where} peaks at {chosen.peak_bytes / gib:.1f} GiB{rows} of a "
                 f"{self.budget_bytes / gib:.1f} GiB budget"
-                + ("" if chosen.checkpoint_layers == self.checkpoint_layers
-                   else f" with {chosen.checkpoint_layers} layers recomputed here (other ranks need more)")
+                + ("" if (chosen.checkpoint_layers, chosen.rows) == (self.checkpoint_layers, self.chunk_rows)
+                   else " as measured here (other ranks need more)")
                 + f"; {layers}"
-                + ("" if self.checkpoint_layers == 0 else " (fewer did not fit; --checkpoint-layers N sets it)"))
+                + ("" if self.checkpoint_layers == 0 else " (fewer did not fit; --checkpoint-layers N sets it)")
+                + split)
 
 
 def search_recompute(num_layers: int, rows: int, measure: Callable[[int, int], Probe]) -> tuple[
-        int | None, list[Probe], int | None]:
+        int | None, list[Probe], int]:
     """The fewest recomputed layers whose step fits (`measure(layers, rows)`), trying none, then all, then
-    bisecting; where all do not fit, the largest micro-batch that fits with all (halving the rows while
-    they divide evenly). Returns (layers or None, the probes in order, rows that fit or None)."""
+    bisecting. Where all do not fit, the rows a forward pass takes are halved (rounding up) until all fit,
+    and the fewest layers are searched again at that size. Returns (layers, the probes in order, rows a
+    pass takes); (None, probes, 0) where not even one row fits with every layer recomputed."""
     probes: list[Probe] = []
 
-    def fits(k: int, r: int = rows) -> bool:
+    def fits(k: int, r: int) -> bool:
         probes.append(measure(k, r))
         return probes[-1].fits
 
-    if fits(0):
-        return 0, probes, None
-    if not fits(num_layers):
-        r = rows
-        while r % 2 == 0:
-            r //= 2
-            if fits(num_layers, r):
-                return None, probes, r
-        return None, probes, 0
-    lo, hi = 1, num_layers          # hi fits
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi, probes, None
+    def fewest(r: int, all_fit: bool) -> int | None:
+        if fits(0, r):
+            return 0
+        if not all_fit and not fits(num_layers, r):
+            return None
+        lo, hi = 1, num_layers          # hi fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid, r):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    layers = fewest(rows, all_fit=False)
+    if layers is not None:
+        return layers, probes, rows
+    r = rows
+    while r > 1:
+        r = -(-r // 2)
+        if fits(num_layers, r):
+            return fewest(r, all_fit=True), probes, r
+    return None, probes, 0
+
+
+def held_bytes(*, moments: int, batch: int, chunk: int, prefetch: int, grad_accum: int) -> int:
+    """What a training step holds beside the probe's own batch of `chunk` bytes: the optimizer's moments and
+    the loader's device batches of `batch` bytes each: its prefetch queue, the one its thread has staged and
+    waits to queue, the previous step's group of --grad-accum batches (the host runs ahead of the GPU, and
+    a batch's memory returns to the allocator only once the kernels that read it have run) and the current
+    group, of which the probe is one batch (or one chunk of its rows). Measured: without the previous
+    step's, an H100 run peaked 1.4% above its probe (BENCHMARKS.md, 2026-12-06)."""
+    return moments + (prefetch + 1 + 2 * grad_accum) * batch - chunk
 
 
 def measure_step(model, step: Callable[[torch.nn.Module], torch.Tensor], *, layers: int, device: torch.device,

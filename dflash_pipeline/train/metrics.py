@@ -55,8 +55,8 @@ class IntervalMetrics:
         self.input_tokens = self.block_tokens = self.context_tokens = 0
         self.attn_pairs = 0.0
 
-    def add(self, out, context_tokens: int):
-        """One micro-batch's `StepOut`."""
+    def add(self, out, context_tokens: int, micro: int = 1):
+        """One micro-batch's `StepOut` (micro=0: a chunk of rows of one, whose losses add up to the batch's)."""
         B = self.B
         self.v[:7] += torch.stack([out.loss.detach().double(), out.ce.double(), out.kl.double(), out.cap.double(),
                                    out.streak_sum.double(), out.blocks.double(), out.count_B.sum().double()])
@@ -67,7 +67,7 @@ class IntervalMetrics:
         self.input_tokens += out.input_tokens
         self.block_tokens += out.block_tokens
         self.context_tokens += context_tokens
-        self.micro += 1
+        self.micro += micro
 
     def add_step(self, grad_norm: torch.Tensor):
         """One optimizer step, with its gradient norm (a device scalar)."""

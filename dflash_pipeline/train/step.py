@@ -156,15 +156,19 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
 
 def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *, block_size: int,
                mask_token_id: int, gamma: float, kl_weight: float, cap_weight: float, feature_noise: float,
-               loss_chunk: int, g: torch.Generator | None, autocast: bool, topk: int = 0) -> StepOut:
+               loss_chunk: int, g: torch.Generator | None, autocast: bool, topk: int = 0,
+               staged: StagedBlocks | None = None, normalizer: torch.Tensor | None = None) -> StepOut:
     """One step's forward and loss. anchors_RA: from `draw_anchors` (host); g: the device generator of
-    the feature noise; topk > 0: also the drafter's top-k per drafted slot (`StepOut.draft_topk`)."""
+    the feature noise; topk > 0: also the drafter's top-k per drafted slot (`StepOut.draft_topk`).
+    A batch that runs in chunks of rows passes each chunk's `staged` blocks and the loss `normalizer` of the
+    whole batch (its blocks' summed weights), so that the chunks' losses add up to the batch's."""
     core = model.module if hasattr(model, "module") else model
     cfg = core.config
     feats = batch.features
     device = feats.device
-    st = stage_blocks(batch, anchors_RA, block_size=block_size, mask_token_id=mask_token_id, gamma=gamma,
-                      layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=device)
+    st = staged if staged is not None else stage_blocks(
+        batch, anchors_RA, block_size=block_size, mask_token_id=mask_token_id, gamma=gamma,
+        layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=device)
     if feature_noise > 0:
         noise = torch.rand(feats.shape, generator=g, device=device, dtype=torch.float32)
         feats = (feats.float() + (noise * 2 - 1) * feature_noise).to(feats.dtype)
@@ -184,7 +188,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
         t_lps = batch.topk_logprobs.reshape(-1, K).index_select(0, st.teacher_N).float()
     head = frozen.head_VH
     res = fused_head_loss(hidden_NH.to(head.dtype), head, st.labels_N, st.weights_N, t_ids, t_lps,
-                          kl_weight=kl_weight, cap_weight=cap_weight,
+                          kl_weight=kl_weight, cap_weight=cap_weight, normalizer=normalizer,
                           chunk_size=loss_chunk_for(loss_chunk, head.shape[0]), rank_limit=max(TOPK_ACCURACY),
                           compiled=False if core.options.compile_kernels is False else None, topk=topk)
     # Per-slot accuracy and the acceptance streak of each block, from the same logits' argmax; top-k

@@ -38,13 +38,14 @@ from dflash_pipeline.train.loader import StreamingLoader
 from dflash_pipeline.train.plan import LoaderState, store_fingerprint
 from dflash_pipeline.train.from_store import (anchor_coverage, check_init, check_store_fits, drafter_config_for,
                                               frozen_tensors, init_state, noise_scale, resolve_batch)
+from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
-from dflash_pipeline.train.memory import (MemoryPlan, Probe, batch_bytes, can_measure, device_budget, measure_step,
-                                          search_recompute, synthetic_batch, worst_shape)
+from dflash_pipeline.train.memory import (MemoryPlan, Probe, batch_bytes, can_measure, device_budget, held_bytes,
+                                          measure_step, search_recompute, synthetic_batch, worst_shape)
 from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
-from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, step_generator
+from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, stage_blocks, step_generator
 
 
 def lr_at(optim: OptimConfig, step: int, total: int) -> float:
@@ -130,7 +131,9 @@ class Trainer:
         self.per_epoch, self.total = self._schedule_length()
         self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()} \
             if cfg.optim.ema else None
-        # --checkpoint-layers auto: measured now, before DDP and before any checkpoint is written
+        # --checkpoint-layers auto: measured now, before DDP and before any checkpoint is written; where a
+        # whole batch does not fit, it runs forward and backward in chunks of `chunk_rows` rows
+        self.chunk_rows: int | None = None
         self.memory_plan: MemoryPlan | None = self._plan_memory()
         self.ddp = self._wrap(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
@@ -184,8 +187,9 @@ class Trainer:
 
     def _plan_memory(self) -> MemoryPlan | None:
         """--checkpoint-layers auto on a GPU: the fewest recomputed layers that fit this rank's largest step,
-        measured (train/memory.py), agreed over ranks and set on the model; a step that fits in no way ends
-        the run here, before its first step, with the micro-batch that does fit."""
+        measured (train/memory.py), and the rows a forward pass takes where the whole batch does not fit even
+        with every layer recomputed; agreed over ranks and set on the model and the step. A step that fits in
+        no way ends the run here, before its first step."""
         if not self._measures_memory():
             return None
         cfg, d, dev = self.cfg, self.dcfg, self.device
@@ -196,13 +200,9 @@ class Trainer:
         moments = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters())   # AdamW, first step
 
         def held(rows: int) -> int:
-            # the loader's device batches besides the probe's: its prefetch queue, the one the prefetch
-            # thread has staged and waits to queue, the previous step's (the host runs ahead of the GPU, and
-            # a batch's memory returns to the allocator only once the kernels that read it have run), and
-            # the rest of a step's --grad-accum group (the same tokens a step at any micro-batch size).
-            # Without the previous step's, an H100 run peaked 1.4% above its probe (BENCHMARKS.md, 2026-12-06)
-            in_flight = self.loader.prefetch + 2 + cfg.optim.grad_accum * shape.rows // rows - 1
-            return moments + in_flight * batch_bytes(dataclasses.replace(shape, rows=rows), width, topk)
+            return held_bytes(moments=moments, batch=batch_bytes(shape, width, topk),
+                              chunk=batch_bytes(dataclasses.replace(shape, rows=rows), width, topk),
+                              prefetch=self.loader.prefetch, grad_accum=cfg.optim.grad_accum)
 
         budget, total = device_budget(dev)
 
@@ -220,19 +220,22 @@ class Trainer:
                                       budget_bytes=budget)
             return Probe(layers, rows, fits, peak, round(time.perf_counter() - t0, 2))
 
-        layers, probes, rows_fit = search_recompute(d.num_layers, shape.rows, measure)
+        layers, probes, rows = search_recompute(d.num_layers, shape.rows, measure)
         need = d.num_layers + 1 if layers is None else layers
-        fit = shape.rows if layers is not None else rows_fit
-        if self.dist is not None:   # the most layers any rank needs; the fewest rows that fit everywhere
-            t = torch.tensor([need, -fit], device=dev)
+        if self.dist is not None:
+            # the most layers and the fewest rows any rank needs: a rank's layers fit at its own rows, so
+            # they fit at fewer rows too
+            t = torch.tensor([need, -rows], device=dev)
             self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-            need, fit = int(t[0]), -int(t[1])
-        plan = MemoryPlan(checkpoint_layers=need if need <= d.num_layers else None, num_layers=d.num_layers,
-                          shape=shape, budget_bytes=budget, total_bytes=total, held_bytes=held(shape.rows),
-                          probes=probes, rows_that_fit=None if need <= d.num_layers else fit)
+            need, rows = int(t[0]), -int(t[1])
+        fits = need <= d.num_layers and rows > 0
+        plan = MemoryPlan(checkpoint_layers=need if fits else None, num_layers=d.num_layers, shape=shape,
+                          budget_bytes=budget, total_bytes=total, held_bytes=held(rows or 1), probes=probes,
+                          chunk_rows=rows if fits else 0)
         if plan.checkpoint_layers is None:
             raise self._does_not_fit(plan)
         self.model.checkpoint_layers = plan.checkpoint_layers
+        self.chunk_rows = plan.chunk_rows if plan.chunk_rows < shape.rows else None
         if dev.type == "cuda":   # the log's peak is the training's, not the probes'
             torch.cuda.reset_peak_memory_stats(dev)
         self.line.say(plan.line())
@@ -240,16 +243,12 @@ class Trainer:
 
     def _does_not_fit(self, plan: MemoryPlan) -> DFlashError:
         cfg, s = self.cfg, plan.shape
-        head = (f"the largest step does not fit {self.device} ({plan.budget_bytes / 2 ** 30:.1f} GiB of "
-                f"{plan.total_bytes / 2 ** 30:.1f} GiB usable) even with all {plan.num_layers} drafter layers "
-                f"recomputed: {s.rows} rows of {s.row_len:,} tokens, {s.block_tokens:,} block tokens "
-                f"({cfg.loss.max_anchors} anchors a sample)")
-        if plan.rows_that_fit:
-            f = s.rows // plan.rows_that_fit
-            return DFlashError(f"{head}; {plan.rows_that_fit} rows a micro-batch fit: pass --tokens-per-batch "
-                               f"{plan.rows_that_fit * s.row_len} --grad-accum {cfg.optim.grad_accum * f} (the "
-                               f"same {s.tokens * cfg.optim.grad_accum:,} tokens a step)")
-        return DFlashError(f"{head}; not even one row fits: pass a smaller --max-anchors or --max-length")
+        return DFlashError(
+            f"the largest step does not fit {self.device} ({plan.budget_bytes / 2 ** 30:.1f} GiB of "
+            f"{plan.total_bytes / 2 ** 30:.1f} GiB usable) even one row at a time with all {plan.num_layers} "
+            f"drafter layers recomputed: rows of {s.row_len:,} tokens with up to {s.anchors} anchors each "
+            f"({cfg.loss.max_anchors} anchors a sample); pass a smaller --max-anchors or --max-length, or a smaller "
+            f"--tokens-per-batch (the batches in flight are held beside the step)")
 
     def _schedule_length(self) -> tuple[int, int]:
         """(optimizer steps per epoch, steps in the whole run)."""
@@ -358,14 +357,19 @@ class Trainer:
         for i, b in enumerate(batches):
             anchors = draw_anchors(b, loss.max_anchors, g_anchors, cfg.model.block_size)
             self.last_block_tokens = int((anchors >= 0).sum()) * cfg.model.block_size
-            sync = world == 1 or i == len(batches) - 1   # gradients are all-reduced once, with the last
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                out = run_blocks(self.ddp, self.frozen, b, anchors, block_size=cfg.model.block_size,
-                                 mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma, kl_weight=self.kl_weight,
-                                 cap_weight=loss.cap_weight, feature_noise=loss.feature_noise,
-                                 loss_chunk=cfg.runtime.loss_chunk, g=g_noise, autocast=self.autocast)
-                (out.loss / len(batches)).backward()
-            self.metrics.add(out, b.tokens.numel())
+            parts, normalizer = self._row_chunks(b, anchors)
+            for j, (part, part_anchors, staged) in enumerate(parts):
+                # gradients are all-reduced once, with the last batch's last chunk
+                sync = world == 1 or (i == len(batches) - 1 and j == len(parts) - 1)
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    out = run_blocks(self.ddp, self.frozen, part, part_anchors, block_size=cfg.model.block_size,
+                                     mask_token_id=self.dcfg.mask_token_id, gamma=self.gamma,
+                                     kl_weight=self.kl_weight, cap_weight=loss.cap_weight,
+                                     feature_noise=loss.feature_noise, loss_chunk=cfg.runtime.loss_chunk, g=g_noise,
+                                     autocast=self.autocast, staged=staged, normalizer=normalizer)
+                    (out.loss / len(batches)).backward()
+                # a chunk's loss is its share of the batch's (normalised over the whole batch): one batch
+                self.metrics.add(out, part.tokens.numel(), micro=int(j == len(parts) - 1))
         self.lr = lr_at(optim, self.step, self.total)
         for group in self.opt.param_groups:
             group["lr"] = self.lr
@@ -381,6 +385,24 @@ class Trainer:
         self.batch_in_epoch = last + 1
         self.metrics.add_step(gnorm)
         self._agree_on_stop()
+
+    def _row_chunks(self, b: Batch, anchors_RA: torch.Tensor) -> tuple[list, torch.Tensor | None]:
+        """The batch as forward/backward passes: [(rows, their anchors, their staged blocks or None)] and the
+        loss normaliser over the whole batch (None: one pass, normalised by itself)."""
+        R = b.tokens.shape[0]
+        if self.chunk_rows is None or R <= self.chunk_rows:
+            return [(b, anchors_RA, None)], None
+        cfg = self.cfg
+        parts = []
+        for r0 in range(0, R, self.chunk_rows):
+            part, a = b.rows(r0, r0 + self.chunk_rows), anchors_RA[r0:r0 + self.chunk_rows]
+            staged = stage_blocks(part, a, block_size=cfg.model.block_size, mask_token_id=self.dcfg.mask_token_id,
+                                  gamma=self.gamma, device=self.device,
+                                  layer_kinds=[self.dcfg.layer_mask_kind(i) for i in range(self.dcfg.num_layers)])
+            parts.append((part, a, staged))
+        normalizer = torch.stack([st.weights_N.float().sum() for *_, st in parts]).sum().clamp_min(
+            torch.finfo(torch.float32).tiny)   # all-zero weights: a zero loss, as in one pass
+        return parts, normalizer
 
     def _agree_on_stop(self) -> None:
         stop = self.stop
