@@ -362,6 +362,44 @@ def test_step_counts_top1_and_topk_hits_per_slot_from_the_loss_logits():
     assert 0 < int(out.correct_B.sum()) < int(out.topk_correct_JB[0].sum()) < int(out.topk_correct_JB[1].sum())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_batch_in_chunks_of_rows_gives_the_whole_batch_loss_and_gradients(device):
+    """What the trainer does where a whole batch does not fit: each row's blocks staged apart, the loss
+    normalised over the whole batch's weights; the chunks' losses add up to the batch's, and their
+    accumulated gradients equal the batch's (CE + KL + CAP)."""
+    from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks, stage_blocks
+
+    dev = torch.device(device)
+    cfg = tiny_config("sliding", head_dim=16)
+    model = random_drafter(cfg).to(dev).train()
+    batch = _step_batch().to(dev)
+    g = torch.Generator().manual_seed(3)
+    frozen = Frozen(torch.randn(V, H, generator=g).to(dev), torch.randn(V, H, generator=g).to(dev))
+    anchors = draw_anchors(batch, 5, torch.Generator().manual_seed(0), B)
+    kw = dict(block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0, kl_weight=0.3, cap_weight=0.1,
+              feature_noise=0.0, loss_chunk=128, g=None, autocast=False)
+    whole = run_blocks(model, frozen, batch, anchors, **kw)
+    whole.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    kinds = [cfg.layer_mask_kind(i) for i in range(cfg.num_layers)]
+    parts = [(batch.rows(r, r + 1), anchors[r:r + 1]) for r in range(batch.tokens.shape[0])]
+    staged = [stage_blocks(b, a, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0, layer_kinds=kinds,
+                           device=dev) for b, a in parts]
+    norm = torch.stack([st.weights_N.sum() for st in staged]).sum()
+    outs = []
+    for (b, a), st in zip(parts, staged):
+        outs.append(run_blocks(model, frozen, b, a, staged=st, normalizer=norm, **kw))
+        outs[-1].loss.backward()
+    assert sum(o.input_tokens for o in outs) == whole.input_tokens
+    for f in ("loss", "ce", "kl", "cap"):
+        torch.testing.assert_close(sum(getattr(o, f).detach() for o in outs), getattr(whole, f).detach())
+    assert torch.equal(sum(o.count_B for o in outs), whole.count_B)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_training_step_never_waits_for_the_gpu():
     """A whole training step (anchors, blocks, forward, fused loss with KL and CAP, feature noise,
