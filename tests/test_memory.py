@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dflash_pipeline.train.memory import (MemoryPlan, Probe, StepShape, measure_step, row_anchor_bound,
-                                          search_recompute, synthetic_batch, worst_shape)
+                                          run_plans, search_recompute, synthetic_batch,
+                                          worst_shape)
 from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, DrafterOptions, init_drafter_weights
 from dflash_pipeline.train.plan import RowPiece
 from dflash_pipeline.train.step import Frozen, draw_anchors, run_blocks
@@ -90,8 +91,9 @@ def test_worst_shape_bounds_every_real_batch(tmp_path, smollm_dir):
     rows, row_len, max_anchors, B = 2, 128, 6, 4
     loader = StreamingLoader(r, layers=r.meta.layer_ids, rank=0, world=1, seed=3, row_len=row_len,
                              rows_per_batch=rows, num_workers=0)
-    shape = worst_shape([loader.epoch_plan(e) for e in range(2)], loader.man.supervised, rows=rows,
-                        row_len=row_len, max_anchors=max_anchors, block_size=B)
+    shape, read = worst_shape(run_plans(loader.epoch_plan, 2), loader.man.supervised, rows=rows,
+                              row_len=row_len, max_anchors=max_anchors, block_size=B)
+    assert read == 2
     g = torch.Generator().manual_seed(0)
     seen = 0
     for epoch in range(2):
@@ -178,3 +180,35 @@ def test_measure_step_on_the_gpu_reads_the_peak_and_survives_a_real_out_of_memor
         assert measure_step(model, step, layers=0, device=dev, held_bytes=held, budget_bytes=1 << 40) == (False, None)
         assert torch.cuda.memory_allocated(dev) == base
     assert measure_step(model, step, layers=0, device=dev, held_bytes=0, budget_bytes=1 << 40)[0] is True
+
+
+class _Lengths:
+    """A store's manifest columns for the planner: reply-like lengths, 256 samples a segment."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        prompt = rng.normal(60, 40, n).clip(8, 512).astype(np.int64)
+        reply = np.where(rng.random(n) < 0.55, 384, rng.integers(5, 384, n))
+        self.segment, self.sample_id = np.arange(n) // 256, np.arange(n)
+        self.length, self.supervised = prompt + reply + 10, reply + 1
+
+
+def test_the_run_s_later_epochs_can_pack_a_fuller_row_than_the_first_two():
+    """Why the largest step is read from every epoch the run trains: each packs its rows anew, and on
+    reply-length samples a later epoch's fullest row draws more anchors than the first two epochs' (the H100
+    run that probed two of ten epochs peaked 1.4% above its probe). Planning stops after its time budget,
+    never before two epochs."""
+    from dflash_pipeline.train.plan import plan_epoch
+
+    man = _Lengths(12_000)
+    train = np.ones(len(man.length), dtype=bool)
+
+    def plan_of(e):
+        return plan_epoch(man, train, epoch=e, rank=0, world=1, seed=0, row_len=3072, rows_per_batch=16)
+
+    kw = dict(rows=16, row_len=3072, max_anchors=64, block_size=16)
+    first_two, read2 = worst_shape(run_plans(plan_of, 2), man.supervised, **kw)
+    run, read = worst_shape(run_plans(plan_of, 12), man.supervised, **kw)
+    assert (read2, read) == (2, 12) and run.anchors > first_two.anchors
+    assert worst_shape(run_plans(plan_of, 12, seconds=0.0), man.supervised, **kw)[1] == 2
+    assert worst_shape(run_plans(plan_of, 1), man.supervised, **kw)[1] == 2

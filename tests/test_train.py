@@ -592,8 +592,8 @@ def test_auto_recompute_picks_the_fewest_layers_and_changes_no_numbers(tiny_stor
     assert plan["checkpoint_layers"] == 2 and plan["num_layers"] == 3
     assert [(p["checkpoint_layers"], p["fits"]) for p in plan["probes"]] == [(0, False), (3, True), (2, True), (1, False)]
     assert plan["shape"]["rows"] == 2 and plan["shape"]["block_tokens"] == 2 * plan["shape"]["anchors"] * 4
-    # held beside the probe: AdamW's two fp32 moments, and 4 loader batches (its prefetch queue of 2, the one
-    # staged, and the previous step's, whose memory returns only after the GPU has read it)
+    # held beside the probe: AdamW's two fp32 moments, and 3 loader batches (its prefetch queue of 2 and the
+    # one its thread has staged; the probe's own batch is the step's)
     from safetensors.torch import load_file
 
     from dflash_pipeline.train.memory import StepShape, batch_bytes
@@ -602,7 +602,11 @@ def test_auto_recompute_picks_the_fewest_layers_and_changes_no_numbers(tiny_stor
     width = len(meta.layer_ids) * meta.target.hidden_size
     s = plan["shape"]
     batch = batch_bytes(StepShape(s["rows"], s["row_len"], s["anchors"], s["block_size"]), width, meta.topk)
-    assert plan["held_bytes"] == 2 * 4 * params + 4 * batch
+    assert plan["held_bytes"] == 2 * 4 * params + 3 * batch
+    # the shape is read from every epoch the run trains (at least two)
+    run = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert plan["epochs"] == -(-run["steps_total"] // run["steps_per_epoch"])
+    assert plan["epochs_planned"] == max(2, plan["epochs"])
     # given layers, or off the GPU, nothing is measured
     assert json.loads((tmp_path / "given" / "config.json").read_text())["memory_plan"] is None
 

@@ -26,8 +26,9 @@ Legend: R rows, S row length, A anchors a row (padded), B block size, F = featur
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ from dflash_pipeline.train.plan import EpochPlan
 # workspaces of other shapes, batches of other shapes). At least MIN_SLACK_BYTES.
 SLACK_SHARE = 0.08
 MIN_SLACK_BYTES = 1 << 30
+# How long the largest step's search may plan epochs (each packs the rows anew: ~0.2 s for 40,000 samples)
+PLAN_SECONDS = 20.0
 
 
 @dataclass
@@ -68,15 +71,32 @@ def row_anchor_bound(pieces, supervised: np.ndarray, max_anchors: int) -> int:
     return int(sum(min(max_anchors, max(0, min(p.n, int(supervised[p.row])) - 1)) for p in pieces))
 
 
-def worst_shape(plans: list[EpochPlan], supervised: np.ndarray, *, rows: int, row_len: int, max_anchors: int,
-                block_size: int) -> StepShape:
+def run_plans(plan_of: Callable[[int], EpochPlan], epochs: int, seconds: float = PLAN_SECONDS) -> Iterator[EpochPlan]:
+    """The plans of the epochs a run trains (`plan_of(epoch)`, epochs 0 to epochs - 1), as many as `seconds`
+    of planning allow and at least two. Each epoch packs its rows anew, and a later packing can hold a row
+    that draws more anchors than any of the first two: up to 7% more over 12 epochs of a 40,000-sample
+    store's lengths, and an H100 run whose probe covered two epochs of ten peaked 1.4% above it
+    (BENCHMARKS.md, 2026-12-06)."""
+    t0 = time.perf_counter()
+    for e in range(max(2, epochs)):
+        if e >= 2 and time.perf_counter() - t0 > seconds:
+            return
+        yield plan_of(e)
+
+
+def worst_shape(plans: Iterable[EpochPlan], supervised: np.ndarray, *, rows: int, row_len: int, max_anchors: int,
+                block_size: int) -> tuple[StepShape, int]:
     """The largest micro-batch these epoch plans can make: the row that can draw the most anchors, on
-    every row of the batch (a batch's anchor count is its fullest row's, padded to FlexAttention's tiles)."""
-    most = max((row_anchor_bound(pieces, supervised, max_anchors)
-                for plan in plans for w in plan.windows for pieces in w.rows), default=1)
+    every row of the batch (a batch's anchor count is its fullest row's, padded to FlexAttention's tiles);
+    and how many plans it read."""
+    most, read = 1, 0
+    for plan in plans:
+        read += 1
+        most = max([most] + [row_anchor_bound(pieces, supervised, max_anchors)
+                             for w in plan.windows for pieces in w.rows])
     bucket = max(1, 128 // block_size)
     return StepShape(rows=rows, row_len=row_len, anchors=max(bucket, -(-most // bucket) * bucket),
-                     block_size=block_size)
+                     block_size=block_size), read
 
 
 def synthetic_batch(shape: StepShape, *, width: int, topk: int, vocab: int, device: torch.device,
@@ -130,6 +150,8 @@ class MemoryPlan:
     held_bytes: int
     probes: list[Probe] = field(default_factory=list)
     chunk_rows: int = 0
+    epochs_planned: int = 0    # the epochs whose packed rows the shape was read from, of the run's `epochs`
+    epochs: int = 0
 
     @property
     def chunks(self) -> int:
@@ -168,7 +190,10 @@ class MemoryPlan:
                    else " as measured here (other ranks need more)")
                 + f"; {layers}"
                 + ("" if self.checkpoint_layers == 0 else " (fewer did not fit; --checkpoint-layers N sets it)")
-                + split)
+                + split
+                + ("" if self.epochs_planned >= self.epochs else
+                   f"; the largest row of the first {self.epochs_planned} of {self.epochs} epochs' packings (the "
+                   f"planning time ran out; later rows are left to the budget's slack)"))
 
 
 def search_recompute(num_layers: int, rows: int, measure: Callable[[int, int], Probe]) -> tuple[
@@ -211,11 +236,10 @@ def search_recompute(num_layers: int, rows: int, measure: Callable[[int, int], P
 def held_bytes(*, moments: int, batch: int, chunk: int, prefetch: int, grad_accum: int) -> int:
     """What a training step holds beside the probe's own batch of `chunk` bytes: the optimizer's moments and
     the loader's device batches of `batch` bytes each: its prefetch queue, the one its thread has staged and
-    waits to queue, the previous step's group of --grad-accum batches (the host runs ahead of the GPU, and
-    a batch's memory returns to the allocator only once the kernels that read it have run) and the current
-    group, of which the probe is one batch (or one chunk of its rows). Measured: without the previous
-    step's, an H100 run peaked 1.4% above its probe (BENCHMARKS.md, 2026-12-06)."""
-    return moments + (prefetch + 1 + 2 * grad_accum) * batch - chunk
+    waits to queue, and the step's group of --grad-accum batches, of which the probe is one batch (or one
+    chunk of its rows). A batch the step has let go of counts no more, even while a copy stream's event
+    still guards it: the allocator counts it freed when its tensor is."""
+    return moments + (prefetch + 1 + grad_accum) * batch - chunk
 
 
 def measure_step(model, step: Callable[[torch.nn.Module], torch.Tensor], *, layers: int, device: torch.device,

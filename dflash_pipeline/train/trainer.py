@@ -43,7 +43,8 @@ from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
 from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, render_eval_line,
                                            render_train_line)
 from dflash_pipeline.train.memory import (MemoryPlan, Probe, batch_bytes, can_measure, device_budget, held_bytes,
-                                          measure_step, search_recompute, synthetic_batch, worst_shape)
+                                          measure_step, run_plans, search_recompute, synthetic_batch,
+                                          worst_shape)
 from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
 from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, stage_blocks, step_generator
 
@@ -193,9 +194,10 @@ class Trainer:
         if not self._measures_memory():
             return None
         cfg, d, dev = self.cfg, self.dcfg, self.device
-        shape = worst_shape([self.loader.epoch_plan(e) for e in range(2)], self.loader.man.supervised,
-                            rows=cfg.data.rows_per_batch, row_len=cfg.data.max_length,
-                            max_anchors=cfg.loss.max_anchors, block_size=cfg.model.block_size)
+        epochs = -(-self.total // max(1, self.per_epoch))   # every epoch packs its rows anew
+        shape, planned = worst_shape(run_plans(self.loader.epoch_plan, epochs), self.loader.man.supervised,
+                                     rows=cfg.data.rows_per_batch, row_len=cfg.data.max_length,
+                                     max_anchors=cfg.loss.max_anchors, block_size=cfg.model.block_size)
         width, topk = d.num_features * d.hidden_size, self.reader.meta.topk
         moments = 2 * sum(p.numel() * p.element_size() for p in self.model.parameters())   # AdamW, first step
 
@@ -231,7 +233,7 @@ class Trainer:
         fits = need <= d.num_layers and rows > 0
         plan = MemoryPlan(checkpoint_layers=need if fits else None, num_layers=d.num_layers, shape=shape,
                           budget_bytes=budget, total_bytes=total, held_bytes=held(rows or 1), probes=probes,
-                          chunk_rows=rows if fits else 0)
+                          chunk_rows=rows if fits else 0, epochs_planned=planned, epochs=epochs)
         if plan.checkpoint_layers is None:
             raise self._does_not_fit(plan)
         self.model.checkpoint_layers = plan.checkpoint_layers
