@@ -223,6 +223,7 @@ class Bench:
         self.variant_stores: list[str] = ["orig-bf16", "regen-fp8"]  # --variant-stores
         self.recipe_store = "regen-bf16"  # --recipe-store: where part `recipes` trains
         self.init_from: str | None = None  # --init-from: the drafter every training of this call starts from
+        self.store_root = self.root / "stores"  # --store-dir: where the stores' arrays go (their records stay here)
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
@@ -235,7 +236,7 @@ class Bench:
         return self.root / "data" / name
 
     def store(self, name: str) -> Path:
-        return self.root / "stores" / name
+        return self.store_root / name
 
     def run_dir(self, name: str) -> Path:
         return self.root / "runs" / name
@@ -510,7 +511,8 @@ def part_stores(b: Bench, deadline: float | None) -> None:
         jobs.append(Job(f"extract-{name}", cmd, kind="cpu", log=b.log(f"extract-{name}"), exclusive=True,
                         done=done.exists, finish=lambda rc, name=name, done=done: rc == 0 and record_store(b, name, done),
                         min_time_left=0))
-    b.run_part("stores", jobs, deadline, {"disk_free_gb_before": disk_free_gb(b.root)})
+    b.run_part("stores", jobs, deadline, {"disk_free_gb_before": disk_free_gb(b.store_root),
+                                          "store_dir": str(b.store_root)})
 
 
 def record_store(b: Bench, name: str, done: Path) -> None:
@@ -723,6 +725,9 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
                     "the chat T=0 evals also verify, e.g. 16,64 (the chain, budget 0, is always measured)")
+    ap.add_argument("--store-dir", default=None, metavar="DIR",
+                    help="where the stores' arrays go (default ROOT/stores; their records stay there): another file "
+                    "system where ROOT's has no room for a store (a bf16 store of 40,000 SmolLM2 replies is ~65 GB)")
     ap.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                     help="every training of this call starts from this exported drafter's weights (`dflash train "
                     "--init-from`): a drafter an earlier session returned trains on (a fresh optimizer and schedule)")
@@ -748,6 +753,9 @@ def main(argv: list[str] | None = None) -> None:
     b = Bench(a.root, a.target, plan, a.smoke, a.redo)
     b.best_override, b.recipe_store = a.best, a.recipe_store
     b.init_from = str(Path(a.init_from).resolve()) if a.init_from else None
+    if a.store_dir:
+        b.store_root = Path(a.store_dir).resolve()
+        b.store_root.mkdir(parents=True, exist_ok=True)
     b.recipes, b.stores, b.variant_stores = (_names(text, known, flag) for text, known, flag in (
         (a.recipes, RECIPES, "--recipes"), (a.stores, STORES, "--stores"),
         (a.variant_stores, tuple(VARIANT_TAGS), "--variant-stores")))

@@ -495,3 +495,26 @@ def test_eval_trees_option_is_checked():
 
     with pytest.raises(SystemExit):
         quality.main(["plan", "--root", "/nonexistent", "--eval-trees", "0,64"])
+
+
+def test_store_dir_puts_the_stores_arrays_elsewhere_and_training_reads_them_there(tmp_path, monkeypatch):
+    """--store-dir (another file system, where the root's has no room for a store): extraction writes there,
+    training reads there, and the stores' records stay under the root."""
+    import quality
+
+    ran: list = []
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+    b = quality.Bench(str(tmp_path / "root"), None, quality.SMOKE, smoke=True)
+    b.store_root = tmp_path / "shm"   # what main() sets from --store-dir (and creates)
+    b.store_root.mkdir()
+    b.stores = ["regen-bf16"]
+    monkeypatch.setattr(quality.Bench, "source", lambda self, d: tmp_path / f"{d}.jsonl")
+    quality.part_stores(b, None)
+    extract = next(j for j in ran if j.name == "extract-regen-bf16")
+    cmd = extract.cmd() if callable(extract.cmd) else extract.cmd
+    assert _opt(cmd, "--out") == [str(tmp_path / "shm" / "regen-bf16")]
+    (b.root / "stores" / "regen-bf16.json").write_text("{}")   # the record stays under the root
+    b.recipes = ["ce"]
+    quality.part_recipes(b, None)
+    train = next(j for j in ran if j.kind == "train")
+    assert _opt(train.cmd(), "--store") == [str(tmp_path / "shm" / "regen-bf16")]
