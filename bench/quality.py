@@ -727,7 +727,8 @@ def main(argv: list[str] | None = None) -> None:
                     "the chat T=0 evals also verify, e.g. 16,64 (the chain, budget 0, is always measured)")
     ap.add_argument("--store-dir", default=None, metavar="DIR",
                     help="where the stores' arrays go (default ROOT/stores; their records stay there): another file "
-                    "system where ROOT's has no room for a store (a bf16 store of 40,000 SmolLM2 replies is ~65 GB)")
+                    "system where ROOT's has no room for a store (a bf16 store holds up to twice an fp8 one's bytes: the "
+                    "fp8 store of 40,000 SmolLM2 replies is 31 GiB)")
     ap.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                     help="every training of this call starts from this exported drafter's weights (`dflash train "
                     "--init-from`): a drafter an earlier session returned trains on (a fresh optimizer and schedule)")
