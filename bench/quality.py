@@ -88,7 +88,7 @@ class Plan:
                                     # replies of up to 384 tokens read ~20% above their first 192, 2026-12-01)
     shared_evals: int = 1           # 0: part recipes skips its evals beside each other (chat T=0/T=1, code) and
                                     # measures only the best run's chat T=0 alone (tau and speedup), picked by its
-                                    # held-out estimate: ~75 s less where a device session is short of time
+                                    # held-out estimate: ~75 s less where GPU time is short
     eval_compile: int = 0           # 1: the alone eval (the speedup) with `dflash eval --compile`: the first run's
                                     # drafter step (5 SmolLM2-width layers) took 1.65 ms, 0.33 ms per layer against
                                     # the target's 0.11, and compiling fuses its small kernels
