@@ -248,15 +248,15 @@ def plan_case(name: str, *, kl: bool, steps: int, **shape) -> dict:
     del model, frozen
     gc.collect()
     torch.cuda.empty_cache()
+    chunked = layers is not None and rows < st.rows
     if layers is not None:
         chosen = next(p for p in probes if p.fits and (p.checkpoint_layers, p.rows) == (layers, rows))
-        chunked = rows < st.rows
         step = bench_case(f"{name}, {layers} layers recomputed (chosen)" + (f", one chunk of {rows} rows" if chunked
                                                                            else ""),
                           kl=kl, steps=steps, conventional=False, checkpoint_layers=layers, **{**shape, "R": rows})
         res.update(step=step, probe_peak_gib=chosen.peak_bytes / 2 ** 30,
                    probe_over_step_peak=chosen.peak_bytes / 2 ** 30 / max(step["peak_gib"], 1e-9))
-    chunks = f" in chunks of {rows} of {st.rows} rows" if layers is not None and rows < st.rows else ""
+    chunks = f" in chunks of {rows} of {st.rows} rows" if chunked else ""
     print(f"{name}: auto chose {layers} layers recomputed{chunks}" + (" (nothing fits)" if layers is None else
           f"; probe peak {res['probe_peak_gib']:.1f} GiB, steps' peak {res['step']['peak_gib']:.1f} GiB, "
           f"{res['step']['step_s'] * 1e3:.0f} ms/step") + f"; search {res['search_s']:.0f} s", flush=True)

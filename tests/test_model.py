@@ -310,7 +310,7 @@ def test_step_blocks_come_from_the_host_copy_only(kind, causal):
     batch = replace(host, **on_meta, host={f: getattr(host, f) for f in host.HOST_FIELDS})
     anchors = draw_anchors(batch, 3, torch.Generator().manual_seed(0), B)
     assert anchors.device.type == "cpu" and (anchors[0] >= 0).sum() > 3
-    kinds = [cfg.layer_mask_kind(i) for i in range(cfg.num_layers)]
+    kinds = cfg.layer_mask_kinds()
     st = stage_blocks(batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0, layer_kinds=kinds,
                       device=torch.device("cpu"))
     ref = build_blocks(host.tokens, host.pos, host.doc, host.loss_mask, anchors, block_size=B,
@@ -348,7 +348,7 @@ def test_step_counts_top1_and_topk_hits_per_slot_from_the_loss_logits():
                          kl_weight=0.0, cap_weight=0.0, feature_noise=0.0, loss_chunk=128, g=None, autocast=False)
     hook.remove()
     st = stage_blocks(batch, anchors, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0,
-                      layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=torch.device("cpu"))
+                      layer_kinds=cfg.layer_mask_kinds(), device=torch.device("cpu"))
     hidden = captured["h"].reshape(-1, H)[st.sel_N]
     logits = hidden @ frozen.head_VH.T
     rank = (logits > logits.gather(1, st.labels_N[:, None])).sum(-1)  # ties count for the label
@@ -383,7 +383,7 @@ def test_a_batch_in_chunks_of_rows_gives_the_whole_batch_loss_and_gradients(devi
     whole.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    kinds = [cfg.layer_mask_kind(i) for i in range(cfg.num_layers)]
+    kinds = cfg.layer_mask_kinds()
     parts = [(batch.rows(r, r + 1), anchors[r:r + 1]) for r in range(batch.tokens.shape[0])]
     staged = [stage_blocks(b, a, block_size=B, mask_token_id=cfg.mask_token_id, gamma=4.0, layer_kinds=kinds,
                            device=dev) for b, a in parts]

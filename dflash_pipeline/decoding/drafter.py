@@ -114,7 +114,7 @@ class StaticDrafter:
         zeros = torch.zeros_like(q_pos)
         groups = self.cfg.num_heads // self.cfg.num_kv_heads
         out = {}
-        for kind in {self.cfg.layer_mask_kind(i) for i in range(self.cfg.num_layers)}:
+        for kind in set(self.cfg.layer_mask_kinds()):
             vis = visible(torch.arange(B, device=dev)[None, :, None], q_pos, start, zeros, zeros,
                           kv_idx, kv_idx, torch.where(kv_idx < start + B, 0, -1), torch.where(kv_idx < start, -1, 0),
                           num_ctx=start, causal=kind[0], window=kind[1])

@@ -47,10 +47,11 @@ class Batch:
                      self.num_tokens, self.sample_ids, host)
 
     def rows(self, start: int, stop: int) -> "Batch":
-        """Rows [start, stop) as a batch of their own (views, no copy; host copies sliced alike)."""
-        host = {f: t[start:stop] for f, t in self.host.items()} if self.host is not None else None
-        doc = host["doc"] if host is not None else self.doc[start:stop]
-        return Batch(*(getattr(self, f)[start:stop] for f in self.TENSOR_FIELDS), int((doc >= 0).sum()), [], host)
+        """Rows [start, stop) as a batch of their own (views, no copy; host copies sliced alike, and its
+        token count read from them, not from the device)."""
+        host = {f: t[start:stop] for f, t in self.host_fields().items()}
+        return Batch(*(getattr(self, f)[start:stop] for f in self.TENSOR_FIELDS), int((host["doc"] >= 0).sum()), [],
+                     host)
 
     def host_fields(self) -> dict[str, torch.Tensor]:
         """tokens, loss_mask, pos and doc on the host (copied from the device once if not kept)."""

@@ -105,6 +105,10 @@ class DrafterConfig:
             return self.sliding_causal, self.sliding_window
         return False, None
 
+    def layer_mask_kinds(self) -> list[tuple[bool, int | None]]:
+        """`layer_mask_kind` of every layer, in order."""
+        return [self.layer_mask_kind(i) for i in range(self.num_layers)]
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -168,7 +168,7 @@ def run_blocks(model, frozen: Frozen, batch: Batch, anchors_RA: torch.Tensor, *,
     device = feats.device
     st = staged if staged is not None else stage_blocks(
         batch, anchors_RA, block_size=block_size, mask_token_id=mask_token_id, gamma=gamma,
-        layer_kinds=[cfg.layer_mask_kind(i) for i in range(cfg.num_layers)], device=device)
+        layer_kinds=cfg.layer_mask_kinds(), device=device)
     if feature_noise > 0:
         noise = torch.rand(feats.shape, generator=g, device=device, dtype=torch.float32)
         feats = (feats.float() + (noise * 2 - 1) * feature_noise).to(feats.dtype)

@@ -133,8 +133,7 @@ class Trainer:
         self.ema = {k: v.detach().clone().float() for k, v in self.model.state_dict().items()} \
             if cfg.optim.ema else None
         # --checkpoint-layers auto: measured now, before DDP and before any checkpoint is written; where a
-        # whole batch does not fit, it runs forward and backward in chunks of `chunk_rows` rows
-        self.chunk_rows: int | None = None
+        # whole batch does not fit, it runs forward and backward in chunks of the plan's `chunk_rows` rows
         self.memory_plan: MemoryPlan | None = self._plan_memory()
         self.ddp = self._wrap(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
@@ -237,7 +236,6 @@ class Trainer:
         if plan.checkpoint_layers is None:
             raise self._does_not_fit(plan)
         self.model.checkpoint_layers = plan.checkpoint_layers
-        self.chunk_rows = plan.chunk_rows if plan.chunk_rows < shape.rows else None
         if dev.type == "cuda":   # the log's peak is the training's, not the probes'
             torch.cuda.reset_peak_memory_stats(dev)
         self.line.say(plan.line())
@@ -392,15 +390,15 @@ class Trainer:
         """The batch as forward/backward passes: [(rows, their anchors, their staged blocks or None)] and the
         loss normaliser over the whole batch (None: one pass, normalised by itself)."""
         R = b.tokens.shape[0]
-        if self.chunk_rows is None or R <= self.chunk_rows:
+        rows = self.memory_plan.chunk_rows if self.memory_plan is not None else R
+        if R <= rows:
             return [(b, anchors_RA, None)], None
         cfg = self.cfg
         parts = []
-        for r0 in range(0, R, self.chunk_rows):
-            part, a = b.rows(r0, r0 + self.chunk_rows), anchors_RA[r0:r0 + self.chunk_rows]
+        for r0 in range(0, R, rows):
+            part, a = b.rows(r0, r0 + rows), anchors_RA[r0:r0 + rows]
             staged = stage_blocks(part, a, block_size=cfg.model.block_size, mask_token_id=self.dcfg.mask_token_id,
-                                  gamma=self.gamma, device=self.device,
-                                  layer_kinds=[self.dcfg.layer_mask_kind(i) for i in range(self.dcfg.num_layers)])
+                                  gamma=self.gamma, layer_kinds=self.dcfg.layer_mask_kinds(), device=self.device)
             parts.append((part, a, staged))
         normalizer = torch.stack([st.weights_N.float().sum() for *_, st in parts]).sum().clamp_min(
             torch.finfo(torch.float32).tiny)   # all-zero weights: a zero loss, as in one pass
