@@ -253,6 +253,32 @@ def test_compiled_kernels_give_the_eager_outputs_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_kernels_outlive_dynamos_default_recompile_limit():
+    """One training process guards more versions of each compiled chain than dynamo's default 8 (the memory
+    search's probes, steps, recomputes with and without grad, held-out passes, autocast on and off); past
+    the limit a fullgraph function fails hard mid-run. Here 12 versions (dtypes x grad x output dtype) of
+    the compiled RMSNorm from the default limit: each the eager result, none failing."""
+    import torch._dynamo
+
+    from dflash_pipeline.train import kernels as K
+
+    K._compiled_set.cache_clear()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):   # the default, restored on the way out
+        norm = K.kernels(True).rms_norm
+        w = torch.randn(32)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for grad in (False, True):
+                for out_dtype in (None, torch.float32):
+                    x = torch.randn(4, 32).to(dtype).requires_grad_(grad)
+                    tol = 1e-5 if dtype == torch.float32 else 2e-2   # fused: one rounding fewer in bf16/fp16
+                    torch.testing.assert_close(norm(x, w, 1e-6, out_dtype), K.rms_norm(x, w, 1e-6, out_dtype),
+                                               rtol=tol, atol=tol)
+        assert torch._dynamo.config.recompile_limit >= K.RECOMPILE_LIMIT
+    K._compiled_set.cache_clear()   # later tests compile afresh (and raise the limit again)
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_kernels_under_autocast_on_cuda_are_as_accurate_as_eager():
     """The training configuration (CUDA, bf16 autocast, flex attention, compiled chains) against an fp32

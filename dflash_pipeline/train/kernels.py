@@ -62,8 +62,24 @@ class Kernels(NamedTuple):
 EAGER = Kernels(rms_norm, add_rms_norm, norm_rope)
 
 
+# Dynamo's default of 8 compiled versions per function is too few for one training process: the memory
+# search's probes (layer counts, row chunks), the steps, checkpointed recomputes (inputs with and without
+# grad), held-out evaluation (no grad, other shapes) and autocast on and off each guard a version of the
+# same function. Past the limit a fullgraph function fails hard, mid-run, and flex attention silently
+# falls back to eager (device syncs, score matrices in memory): measured on an H100 (2026-12-06).
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's per-function recompile limit to RECOMPILE_LIMIT for this process (never lower it)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
 @functools.cache
 def _compiled_set() -> Kernels:
+    allow_recompiles()
     # dynamic=None: the first shape compiles static, a second one recompiles with its varying sizes
     # symbolic (the anchor count varies between steps; the hidden size never does).
     return Kernels(*(torch.compile(fn, dynamic=None, fullgraph=True) for fn in EAGER))

@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from dflash_pipeline.train.kernels import allow_recompiles
+
 
 class HeadLossResult(NamedTuple):
     loss: torch.Tensor  # scalar fp32, differentiable w.r.t. hidden
@@ -131,6 +133,7 @@ COMPILE = "cuda"
 
 @functools.cache
 def _compiled_terms():
+    allow_recompiles()
     return torch.compile(_softmax_terms, dynamic=None, fullgraph=True)
 
 

@@ -31,6 +31,8 @@ from typing import Literal
 
 import torch
 
+from dflash_pipeline.train.kernels import allow_recompiles
+
 Backend = Literal["dense", "flex"]
 BACKENDS = ("dense", "flex")
 
@@ -281,6 +283,7 @@ def _flex_attention(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
+        allow_recompiles()
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
