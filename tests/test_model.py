@@ -254,9 +254,9 @@ def test_compiled_kernels_give_the_eager_outputs_and_gradients():
 
 
 def test_compiled_kernels_outlive_dynamos_default_recompile_limit():
-    """One training process guards more versions of each compiled chain than dynamo's default 8 (the memory
-    search's probes, steps, recomputes with and without grad, held-out passes, autocast on and off); past
-    the limit a fullgraph function fails hard mid-run. Here 12 versions (dtypes x grad x output dtype) of
+    """One process can guard more versions of a compiled chain than dynamo's default 8 (the memory search's
+    probes, steps, recomputes with and without grad, held-out passes, autocast on and off); past the limit
+    a fullgraph function fails hard. Here 12 versions (dtypes x grad x output dtype) of
     the compiled RMSNorm from the default limit: each the eager result, none failing."""
     import torch._dynamo
 

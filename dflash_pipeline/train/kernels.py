@@ -62,11 +62,12 @@ class Kernels(NamedTuple):
 EAGER = Kernels(rms_norm, add_rms_norm, norm_rope)
 
 
-# Dynamo's default of 8 compiled versions per function is too few for one training process: the memory
-# search's probes (layer counts, row chunks), the steps, checkpointed recomputes (inputs with and without
-# grad), held-out evaluation (no grad, other shapes) and autocast on and off each guard a version of the
-# same function. Past the limit a fullgraph function fails hard, mid-run, and flex attention silently
-# falls back to eager (device syncs, score matrices in memory): measured on an H100 (2026-12-06).
+# Dynamo keeps at most 8 compiled versions of a function by default, and one process can guard more: the
+# memory search's probes (layer counts, row chunks), the steps, checkpointed recomputes (inputs with and
+# without grad), held-out passes (no grad, other shapes), autocast on and off. Past the limit a fullgraph
+# function fails hard and flex attention falls back to eager (device syncs, score matrices in memory);
+# both happened on an H100 (2026-12-06): the memory-search benchmark's second model, and the no-sync step
+# test after other CUDA tests.
 RECOMPILE_LIMIT = 64
 
 
