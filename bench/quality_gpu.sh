@@ -57,7 +57,8 @@
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke), BG_PARTS (bench/gpu_all.sh parts that `run` starts beside
 #      the quality parts and waits for before packing $OUT, e.g. "cuda-tests": results in $OUT/gpu-all.tgz; what
-#      still runs DEADLINE + BG_GRACE (20) seconds after the call began is stopped), MAX_FILES (files that come
+#      still runs DEADLINE + BG_GRACE (20) seconds after the call began is stopped; with `start` they run beside
+#      the detached parts, and the first `wait` after they end brings their results), MAX_FILES (files that come
 #      back per call, default 8: the log and results first, then a drafter, the regenerated data, summary.md;
 #      what finds no room comes with the next call)
 set -uo pipefail
@@ -80,7 +81,8 @@ pack() {  # this call's results into $OUT (nothing without $OUT: a detached run 
   # Files come back at most MAX_FILES (8) per call: the log and the results first, then a drafter, then the
   # regenerated data; what finds no room waits for the next call (nothing is marked returned before it goes)
   room() { [ $(( $(find "$OUT" -type f | wc -l) + $1 )) -le "${MAX_FILES:-8}" ]; }
-  if [ -d $keep/gpu-all ]; then tar czf $OUT/gpu-all.tgz -C $keep gpu-all bg.log && rm -rf $keep/gpu-all; fi
+  # the background parts' results once they have ended (a detached run's `wait` packs while they may still run)
+  if [ -f $keep/gpu-all.done ]; then tar czf $OUT/gpu-all.tgz -C $keep gpu-all bg.log && rm -rf $keep/gpu-all $keep/gpu-all.done; fi
   $py bench/quality.py summary --root $root --target $gguf ${Q_ARGS:-} > /dev/null 2>&1
   tail -c 4000000 $root/log.txt > $OUT/log.txt
   (cd $root && tar czf $OUT/quality-results.tgz results evals summary.md logs stores/*.json \
@@ -190,7 +192,7 @@ start)
     echo "start: parts already running (pid $(cat $keep/detached.pid)); use wait"; exit 1
   fi
   assemble_target || exit 1
-  rm -rf $keep/src $keep/detached.rc && mkdir -p $keep/src $root && cp -r bench dflash_pipeline pyproject.toml $keep/src/ || exit 1
+  rm -rf $keep/src $keep/detached.rc && mkdir -p $keep/src $root && cp -r bench dflash_pipeline tests pyproject.toml $keep/src/ || exit 1
   (cd $keep/src && env -u OUT DETACHED=1 DEADLINE="${DEADLINE:-1000000}" setsid bash bench/quality_gpu.sh run "$@" \
     < /dev/null > $keep/detached.log 2>&1 &)
   echo "started detached: $*"
@@ -225,7 +227,9 @@ run)
   bg=
   if [ -n "${BG_PARTS:-}" ]; then  # bench/gpu_all.sh parts beside this call's (e.g. cuda-tests): one call, both
     # its own session, so that what is still running at the deadline can be stopped whole
-    TOKENIZER=$keep/tokenizer setsid bash bench/gpu_all.sh $keep/gpu-all $BG_PARTS > $keep/bg.log 2>&1 &
+    rm -f $keep/gpu-all.done
+    TOKENIZER=$keep/tokenizer setsid bash -c 'bash bench/gpu_all.sh "$1" $2; touch "$1.done"' _ $keep/gpu-all "$BG_PARTS" \
+      > $keep/bg.log 2>&1 &
     bg=$!
   fi
   $py bench/quality.py "$@" --root $root --target $gguf --deadline "${DEADLINE:-500}" ${Q_ARGS:-} 2>&1 | tee -a $root/log.txt
@@ -239,7 +243,7 @@ run)
       pkill -TERM -s $bg; sleep 5; pkill -KILL -s $bg
       echo "=== background parts stopped at the deadline (${BG_PARTS})" | tee -a $keep/bg.log
     fi
-    wait $bg 2>/dev/null; grep "^===" $keep/bg.log
+    wait $bg 2>/dev/null; touch $keep/gpu-all.done; grep "^===" $keep/bg.log
   fi
   pack
   df -h /tmp | tail -1
