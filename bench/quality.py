@@ -102,7 +102,7 @@ class Plan:
     warmup_steps: int = 10          # not timed (compilation)
     num_workers: int = 2
     log_every: int = 10
-    eval_every: int = 0             # held-out estimate every N steps (0: at each epoch's end), the in-run curve
+    eval_every: int = 0             # held-out estimate every N steps (0: at epoch ends, at most 5% of the run), the in-run curve
     turns: str = "first"            # "each": every exchange as a conversation of its own (inputs writes them,
                                     # generate answers each afresh: no replay ends at a cut reply);
                                     # "all": every exchange of a conversation (about 3x the data of the first

@@ -239,7 +239,7 @@ def train(
     ema: Optional[float] = typer.Option(None, "--ema", help="Keep an EMA of the weights with this decay; it is what gets exported."),
     gpus: str = typer.Option("all", "--gpus", help="'all' or how many GPUs (one DDP process each)."),
     eval_fraction: float = typer.Option(0.02, "--eval-fraction", help="Share of samples held out for evaluation."),
-    eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at each epoch end)."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0: at epoch ends while the estimates take at most 5% of the run's time: one that would come sooner than 19x the last estimate's own time after it is skipped; the first epoch end and the last step always evaluate)."),
     eval_tree_budget: str = typer.Option("16,64", "--eval-tree-budget", help="Tree budgets of the held-out estimate: tau_tree_N, the acceptance length of `dflash eval --tree-budget N` estimated on held-out samples (as tau_chain is for the chain); 'none' to skip it."),
     eval_new_tokens: int = typer.Option(0, "--eval-new-tokens", help="The held-out estimate walks at most N tokens of each reply, as `dflash eval --max-new-tokens N` decodes: compare the two at equal N (0: whole replies, whose later tokens are often easier)."),
     log_every: int = typer.Option(10, "--log-every"),

@@ -227,7 +227,7 @@ class OutputConfig:
 
     out: str
     log_every: int = 10
-    eval_every: int = 0                  # 0: at the end of each epoch only
+    eval_every: int = 0                  # 0: at epoch ends, within trainer.EPOCH_EVAL_SHARE of the run
     eval_max_samples: int = 256
     eval_tree_budget: list[int] = field(default_factory=lambda: [16, 64])  # tau_tree_N of the held-out estimate
     eval_new_tokens: int = 0             # the estimate walks this many tokens of each reply (0: all of it)

@@ -48,6 +48,10 @@ from dflash_pipeline.train.memory import (MemoryPlan, Probe, batch_bytes, can_me
 from dflash_pipeline.train.model import DFlashDrafter, DrafterOptions, init_drafter_weights
 from dflash_pipeline.train.step import NOISE_STREAM, draw_anchors, run_blocks, stage_blocks, step_generator
 
+# --eval-every 0: the most share of a run's wall time the epoch-end held-out estimates may take (the last
+# one, at the run's end, always happens)
+EPOCH_EVAL_SHARE = 0.05
+
 
 def lr_at(optim: OptimConfig, step: int, total: int) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
@@ -142,6 +146,8 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.stop = StopRequest()
         self.last_eval: dict[str, Any] = {}
+        self.eval_ended: float | None = None   # when the last held-out estimate ended (time.time()), and its cost
+        self.last_eval_seconds = 0.0
         self.lr, self.in_epoch, self.steps_this_run = 0.0, 1, 0
         self.last_block_tokens = 0   # the last batch's anchors x block size: what a step's memory follows
         self.records: JsonlLog | None = None    # rank 0's metrics.jsonl and trackers, from `train()`
@@ -419,8 +425,24 @@ class Trainer:
 
     def _next_epoch(self) -> None:
         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        if not self.cfg.output.eval_every and len(self.eval_rows) and self.step < self.total:
+        if not self.cfg.output.eval_every and len(self.eval_rows) and self.step < self.total and self._epoch_eval_due():
             self.evaluate()
+
+    def _epoch_eval_due(self) -> bool:
+        """--eval-every 0: the held-out estimate at an epoch's end, the first time, and later only once the run
+        has trained at least (1 - EPOCH_EVAL_SHARE) / EPOCH_EVAL_SHARE times the last estimate's own wall time
+        since it ended; so on stores whose epochs are short next to an estimate (on the GPU, 40 s an estimate
+        against 80 s an epoch on 40,000 short replies: a third of the run) it takes at most that share. The
+        ranks agree (one collective an epoch): an estimate is a collective too."""
+        if self.eval_ended is None:
+            due = True
+        else:
+            due = time.time() - self.eval_ended >= self.last_eval_seconds * (1 - EPOCH_EVAL_SHARE) / EPOCH_EVAL_SHARE
+        if self.dist is not None:
+            flag = torch.tensor([float(due)], device=self.device)
+            self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
+            due = bool(flag.item())
+        return due
 
     # -- logging and evaluation --------------------------------------------------------------------------
 
@@ -500,6 +522,7 @@ class Trainer:
         self.model.train()
         res["step"] = self.step
         t1 = time.time()
+        self.eval_ended, self.last_eval_seconds = t1, t1 - t0
         if self.proc.is_main:  # its wall time: what the estimate costs the run, e.g. to choose --eval-every
             self.records.write({"type": "eval", "time": round(t1, 3), "seconds": round(t1 - t0, 3), **res})
             self.trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, self.step)
