@@ -25,9 +25,11 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
              orig-bf16, orig-fp8, regen-fp8, regen-t1-bf16, mix-bf16, all-fp8; runs BEST@orig, @orig8, @fp8, @t1,
              @mix, @all)
   curve      the best recipe at other training lengths (a learning curve with the recipes' run)
-  specforge  SpecForge 0.2's DFlash trainer on the same store, steps, batch, lr schedule and block size
-             (bench/specforge_dflash.py), its drafter converted to our export and evaluated the same way;
-             and `dflash train` alone for the step-time comparison
+  specforge  SpecForge 0.2's DFlash trainer on the recipes' store (--recipe-store), at the steps, lr schedule,
+             block size and the anchors and batch of the recipe it is set beside (--specforge-against, default ce:
+             its own loss; the recipe's run of part `recipes` is our side), via bench/specforge_dflash.py, its
+             drafter converted to our export and evaluated the same way; and `dflash train` alone with that
+             recipe for the step-time comparison
   online     the same steps with the target's forward in every step against reading the store, timed in
              one process (bench/quality_online.py)
   summary    the tables (markdown) from the JSON: ROOT/summary.md and results/summary.json
@@ -222,6 +224,7 @@ class Bench:
         self.stores: list[str] = list(DEFAULT_STORES)  # --stores: the stores this run extracts
         self.variant_stores: list[str] = ["orig-bf16", "regen-fp8"]  # --variant-stores
         self.recipe_store = "regen-bf16"  # --recipe-store: where part `recipes` trains
+        self.specforge_against = "ce"     # --specforge-against: the recipe part `specforge` compares with
         self.init_from: str | None = None  # --init-from: the drafter every training of this call starts from
         self.store_root = self.root / "stores"  # --store-dir: where the stores' arrays go (their records stay here)
         for d in ("data", "stores", "runs", "evals", "logs", "results"):
@@ -636,24 +639,38 @@ def part_curve(b: Bench, deadline: float | None) -> None:
     b.run_part("curve", jobs, deadline, {"best": best, "runs": [dataclasses.asdict(r) for r in runs]})
 
 
+def specforge_runs(recipe: str) -> tuple[str, str]:
+    """(SpecForge's run, our speed run) of a side by side against `recipe`: specforge-ce / speed-ce for CE,
+    SpecForge's own loss, the first comparison's names."""
+    return f"specforge-{recipe}", f"speed-{recipe}"
+
+
 def part_specforge(b: Bench, deadline: float | None) -> None:
-    b.require_stores("regen-bf16")
+    """SpecForge's trainer on the recipes' store (--recipe-store), at the anchors and batch of the recipe it is
+    compared with (--specforge-against, default ce: its own loss; e.g. the default kl15-cap-noise-a64x4, whose
+    recipes-part run at the same steps is the other side), then our trainer alone on the same store for speed."""
+    store, recipe = b.recipe_store, b.specforge_against
+    b.require_stores(store)
     p = b.plan
-    out = b.run_dir("specforge-ce")
+    shape = {"max_anchors": p.max_anchors, "tokens_per_batch": p.tokens_per_batch}
+    shape.update({k: v for k, v in b.recipe_args(recipe).items() if k in shape})
+    sf_name, speed_name = specforge_runs(recipe)
+    out = b.run_dir(sf_name)
     if b.redo:
         shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, str(REPO / "bench" / "specforge_dflash.py"), "--store", str(b.store("regen-bf16")),
-           "--out", str(out), "--steps", str(p.steps), "--block-size", "16", "--max-anchors", str(p.max_anchors),
-           "--tokens-per-batch", str(p.tokens_per_batch), "--max-length", str(p.row_len), "--num-layers",
+    cmd = [sys.executable, str(REPO / "bench" / "specforge_dflash.py"), "--store", str(b.store(store)),
+           "--out", str(out), "--steps", str(p.steps), "--block-size", "16", "--max-anchors", str(shape["max_anchors"]),
+           "--tokens-per-batch", str(shape["tokens_per_batch"]), "--max-length", str(p.row_len), "--num-layers",
            str(p.num_layers), "--num-workers", str(p.num_workers), "--log-every", str(p.log_every),
            "--eval-fraction", str(p.eval_fraction), *p.device_args]
-    jobs = [Job("specforge-ce", cmd, kind="train", exclusive=True, log=b.log("specforge-ce"),
+    jobs = [Job(sf_name, cmd, kind="train", exclusive=True, log=b.log(sf_name),
                 done=lambda: train_finished(out), min_time_left=0 if b.smoke else 120)]
-    speed = Run("speed-ce", "ce", "regen-bf16", p.speed_steps, "specforge")
+    speed = Run(speed_name, recipe, store, p.speed_steps, "specforge")
     sj = b.train_job(speed)
     sj.exclusive = True
-    jobs += [sj] + b.eval_jobs("specforge-ce")
-    b.run_part("specforge", jobs, deadline, {"compared_with": "ce", "runs": [dataclasses.asdict(speed)]})
+    jobs += [sj] + b.eval_jobs(sf_name)
+    b.run_part("specforge", jobs, deadline, {"compared_with": recipe, "store": store, "shape": shape,
+                                             "runs": [dataclasses.asdict(speed)]})
 
 
 def part_online(b: Bench, deadline: float | None) -> None:
@@ -719,8 +736,12 @@ def main(argv: list[str] | None = None) -> None:
                     f"extracts, of {', '.join(STORES)} (regen-t1: sampled regeneration at T=1; mix: original and "
                     "greedy regenerated replies in one store; all-fp8: the three sets of replies in one fp8 store)")
     ap.add_argument("--recipe-store", default="regen-bf16", choices=list(STORES),
-                    help="the store part `recipes` trains every recipe on (e.g. regen-fp8 where a bf16 store of the "
-                    "data would not fit the disk)")
+                    help="the store part `recipes` trains every recipe on, and part `specforge` SpecForge's trainer (e.g. "
+                    "regen-fp8 where a bf16 store of the data would not fit the disk)")
+    ap.add_argument("--specforge-against", default="ce", choices=list(RECIPES),
+                    help="the recipe part `specforge` compares SpecForge's trainer with: SpecForge trains at its anchors "
+                    "and batch (with its own loss), our speed run uses it, and its run of part `recipes` at the same "
+                    "steps is our side (default ce: SpecForge's loss; e.g. kl15-cap-noise-a64x4, the default)")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
                     help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
@@ -752,7 +773,7 @@ def main(argv: list[str] | None = None) -> None:
         print_plan()
         return
     b = Bench(a.root, a.target, plan, a.smoke, a.redo)
-    b.best_override, b.recipe_store = a.best, a.recipe_store
+    b.best_override, b.recipe_store, b.specforge_against = a.best, a.recipe_store, a.specforge_against
     b.init_from = str(Path(a.init_from).resolve()) if a.init_from else None
     if a.store_dir:
         b.store_root = Path(a.store_dir).resolve()

@@ -255,23 +255,33 @@ def _runs_like(b, prefix: str) -> list[str]:
 
 
 def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
-    sf_dir = b.run_dir("specforge-ce")
+    from quality import specforge_runs
+
+    part = b.read("specforge")
+    recipe = part.get("compared_with", "ce")
+    sf_name, speed_name = specforge_runs(recipe)
+    sf_dir = b.run_dir(sf_name)
     if not (sf_dir / "summary.json").exists():
         return []
     sf = json.loads((sf_dir / "summary.json").read_text())
-    ours, theirs = run_row(b, "ce"), run_row(b, "specforge-ce")
-    ours_speed = train_speed(b.run_dir("speed-ce"))
+    ours, theirs = run_row(b, recipe), run_row(b, sf_name)
+    ours_speed = train_speed(b.run_dir(speed_name))
     sf_speed = (sf.get("steady") or {}).get("input_tok_s")
-    rows = [["ours (`dflash train`, recipe ce)", _f(ours.get("steps"), ","), _f(ours.get("tau_est")),
+    shape = part.get("shape") or {}
+    rows = [[f"ours (`dflash train`, recipe {recipe})", _f(ours.get("steps"), ","), _f(ours.get("tau_est")),
              _f(ours.get("tau_chat_T0")), _f(ours.get("tau_chat_T1")), _f(ours.get("tau_code_T0")),
              _f(ours_speed, ",.0f")],
             ["SpecForge 0.2 (OnlineDFlashModel)", _f(theirs.get("steps"), ","), _f(theirs.get("tau_est")),
              _f(theirs.get("tau_chat_T0")), _f(theirs.get("tau_chat_T1")), _f(theirs.get("tau_code_T0")),
              _f(sf_speed, ",.0f")]]
     ratio = ours_speed / sf_speed if ours_speed and sf_speed else None
-    rec["specforge"] = {"ours": ours, "specforge": theirs, "ours_tok_s_alone": ours_speed, "specforge_tok_s_alone": sf_speed,
+    rec["specforge"] = {"compared_with": recipe, "store": part.get("store", "regen-bf16"), "shape": shape,
+                        "ours": ours, "specforge": theirs, "ours_tok_s_alone": ours_speed, "specforge_tok_s_alone": sf_speed,
                         "speed_ratio": ratio, "differences": sf.get("differences")}
-    return ["## Side by side with SpecForge (same store, batches, steps, lr schedule, block 16, CE + decay)",
+    loss = "CE + decay on both sides" if recipe == "ce" else f"SpecForge's CE + decay against recipe {recipe}"
+    anchors = f", {shape['max_anchors']} anchors a sample over {shape['tokens_per_batch']:,} tokens" if shape else ""
+    return [f"## Side by side with SpecForge (store {part.get('store', 'regen-bf16')}, same batches, steps, lr schedule, "
+            f"block 16{anchors}; {loss})",
             _table(["trainer", "steps", "held-out tau (est.)", "real tau chat T=0", "real tau chat T=1",
                     "real tau code T=0", "input tok/s, alone"], rows),
             f"Our steps are {_f(ratio)}x SpecForge's speed (steady state, each alone on the GPU). SpecForge "
@@ -320,7 +330,8 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
     if sf:
         o, t = sf["ours"].get("tau_chat_T0"), sf["specforge"].get("tau_chat_T0")
         same = o is not None and t is not None and o >= t * 0.98
-        goals.append(("ours (ce) tau >= SpecForge's (T=0 chat)", f"{_f(o)} vs {_f(t)}", same, "within 2% counts as equal"))
+        goals.append((f"ours ({sf.get('compared_with', 'ce')}) tau >= SpecForge's (T=0 chat)", f"{_f(o)} vs {_f(t)}", same,
+                      "within 2% counts as equal"))
         goals.append(("our steps faster than SpecForge's", sf.get("speed_ratio"), (sf.get("speed_ratio") or 0) > 1, ""))
     var = rec.get("variants", {})
     if best and best in var:

@@ -406,6 +406,43 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     assert "## Recipes on store regen-fp8, " in md
 
 
+def test_specforge_side_by_side_against_a_recipe_on_the_recipe_store(tmp_path, monkeypatch):
+    """--specforge-against kl15-cap-noise-a64x4 --recipe-store regen-fp8: SpecForge trains on that store at the
+    recipe's 64 anchors over 4x the tokens, our speed run is that recipe on that store, the evals measure
+    SpecForge's drafter, and the summary sets it beside the recipe's own run (the default stays ce)."""
+    import quality
+    from quality_summary import build_summary
+
+    ran: list = []
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=False)
+    (b.root / "stores" / "regen-fp8.json").write_text("{}")
+    b.recipe_store, b.specforge_against = "regen-fp8", "kl15-cap-noise-a64x4"
+    quality.part_specforge(b, None)
+    cmds = {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran}
+    sf, speed = cmds["specforge-kl15-cap-noise-a64x4"], cmds["speed-kl15-cap-noise-a64x4"]
+    assert _opt(sf, "--store") == [str(b.store("regen-fp8"))] == _opt(speed, "--store")
+    assert _opt(sf, "--max-anchors") == ["64"] == _opt(speed, "--max-anchors")
+    assert _opt(sf, "--tokens-per-batch") == [str(4 * quality.SMOKE.tokens_per_batch)] == _opt(speed, "--tokens-per-batch")
+    assert _opt(speed, "--kl-weight") == ["0.15"]
+    evals = [c for n, c in cmds.items() if "__chat__" in n]
+    assert evals and all(_opt(c, "--drafter")[0].endswith("specforge-kl15-cap-noise-a64x4/final") for c in evals)
+    assert b.read("specforge")["compared_with"] == "kl15-cap-noise-a64x4"
+
+    for name, est, tau in (("kl15-cap-noise-a64x4", 2.9, 3.1), ("specforge-kl15-cap-noise-a64x4", 2.5, 2.7)):
+        d = b.run_dir(name)
+        (d / "final").mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"step": 4, "finished": True, "seconds": 9.0,
+                                                    "eval": {"tau_chain": est, "acc_per_pos": [0.8], "acc": 0.8}}))
+        (d / "config.json").write_text(json.dumps({"train": {"block_size": 16}, "store": {"url": str(b.store("regen-fp8"))}}))
+        b.eval_file(name, "chat", 0.0).write_text(json.dumps({"tau": tau, "lossless": True}))
+    md, rec = build_summary(b)
+    assert "## Side by side with SpecForge (store regen-fp8, same batches, steps, lr schedule, block 16, 64 anchors" in md
+    assert "| ours (`dflash train`, recipe kl15-cap-noise-a64x4) |" in md
+    goals = {g["goal"]: g for g in rec["goals"]}
+    assert goals["ours (kl15-cap-noise-a64x4) tau >= SpecForge's (T=0 chat)"]["met"]
+
+
 def test_init_from_reaches_every_training_and_the_summary(tmp_path, monkeypatch):
     """--init-from: a drafter returned by an earlier session trains on; every training of the call starts from
     it (`dflash train --init-from`), its run records say so, and the summary's recipes heading too."""
