@@ -330,8 +330,9 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
     if sf:
         o, t = sf["ours"].get("tau_chat_T0"), sf["specforge"].get("tau_chat_T0")
         same = o is not None and t is not None and o >= t * 0.98
-        goals.append((f"ours ({sf.get('compared_with', 'ce')}) tau >= SpecForge's (T=0 chat)", f"{_f(o)} vs {_f(t)}", same,
-                      "within 2% counts as equal"))
+        goals.append((f"ours ({sf.get('compared_with', 'ce')}) tau >= SpecForge's (T=0 chat)",
+                      f"{_f(o)} vs {_f(t)}" if o is not None and t is not None else None, same,
+                      "within 2% counts as equal" if o is not None else "our side's run is not in this root"))
         goals.append(("our steps faster than SpecForge's", sf.get("speed_ratio"), (sf.get("speed_ratio") or 0) > 1, ""))
     var = rec.get("variants", {})
     if best and best in var:
