@@ -394,8 +394,7 @@ def test_two_ddp_processes(tiny_store, tmp_path):
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["steps_per_epoch"] == per_epoch
     assert all(np.isfinite(v) for v in _losses(run).values())
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in recs if r["type"] == "eval"]
+    steps = [r["step"] for r in _records(run, "eval")]
     assert steps[0] == per_epoch and steps[-1] == 2 * per_epoch + 1 and steps == sorted(set(steps))
 
 
@@ -645,8 +644,8 @@ def test_a_batch_that_fits_no_way_whole_runs_in_chunks_of_rows_as_the_same_step(
     assert not (tmp_path / "none" / "checkpoints").exists() and not (tmp_path / "none" / "metrics.jsonl").exists()
 
 
-def _records(run):
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+def _records(run, kind="train"):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == kind]
 
 
 def test_epoch_end_estimates_keep_to_their_share_of_the_run(tiny_store, tmp_path, monkeypatch):
@@ -655,19 +654,15 @@ def test_epoch_end_estimates_keep_to_their_share_of_the_run(tiny_store, tmp_path
     ~0 only the first one does; the last step always does."""
     from dflash_pipeline.train import trainer
 
+    per_epoch = 27   # of this store on one rank (config.json says so: asserted below)
+    steps = 3 * per_epoch + 1   # three epoch ends inside the run
+
     def evals(name, share):
         monkeypatch.setattr(trainer, "EPOCH_EVAL_SHARE", share)
         run = tmp_path / name
         run_train(_cfg(tiny_store, run, steps=steps))
-        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        return [r["step"] for r in recs if r["type"] == "eval"]
+        assert json.loads((run / "config.json").read_text())["steps_per_epoch"] == per_epoch
+        return [r["step"] for r in _records(run, "eval")]
 
-    per_epoch = json.loads(_probe_config(tiny_store, tmp_path))["steps_per_epoch"]
-    steps = 3 * per_epoch + 1   # three epoch ends inside the run
     assert evals("all", 1.0) == [per_epoch, 2 * per_epoch, 3 * per_epoch, steps]
     assert evals("bounded", 1e-9) == [per_epoch, steps]
-
-
-def _probe_config(store, tmp_path) -> str:
-    run_train(_cfg(store, tmp_path / "probe", steps=1))
-    return (tmp_path / "probe" / "config.json").read_text()
