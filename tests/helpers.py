@@ -31,11 +31,26 @@ def random_sample(g: torch.Generator, T: int, L: int, H: int, V: int, K: int):
     return tokens, mask, hidden, ids, lps
 
 
+def _top1_from_text(tokens: np.ndarray, ids: np.ndarray, share: float, g: torch.Generator) -> np.ndarray:
+    """ids [T, K] with the next token of the text moved to rank 0 (kept distinct) at a random `share` of positions."""
+    ids = ids.copy()
+    follow = (torch.rand(len(tokens), generator=g) < share).numpy()
+    for t in np.nonzero(follow[:-1])[0]:
+        nxt = tokens[t + 1]
+        row = ids[t]
+        at = np.nonzero(row == nxt)[0]
+        row[at[0] if len(at) else 0] = row[0]
+        row[0] = nxt
+    return ids
+
+
 def write_random_store(url: str, *, codec: str = "bf16", segments: int = 3, samples_per_segment: int = 4,
                        hidden: int = 64, layer_ids=(1, 3, 5), vocab: int = 100, topk: int = 4, seed: int = 0,
                        min_len: int = 20, max_len: int = 90, with_target: bool = True, manifest: bool = True,
-                       segment_ids=None):
-    """Write a store of random samples; returns {sample_id: (tokens, mask, hidden, ids, logprobs)}."""
+                       segment_ids=None, top1_is_text: float = 0.0):
+    """Write a store of random samples; returns {sample_id: (tokens, mask, hidden, ids, logprobs)}.
+    `top1_is_text`: the share of tokens whose stored top-1 is the next token of the text (the target's own
+    greedy text where 1.0; the rest random, as on text the target did not write)."""
     meta = make_meta(codec, layer_ids, hidden, vocab, topk)
     writer = StoreWriter(url, meta)
     g = torch.Generator().manual_seed(seed)
@@ -50,6 +65,8 @@ def write_random_store(url: str, *, codec: str = "bf16", segments: int = 3, samp
             sid = seg * 1000 + i
             T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
             s = random_sample(g, T, len(layer_ids), hidden, vocab, topk)
+            if top1_is_text and topk:
+                s = (s[0], s[1], s[2], _top1_from_text(s[0], s[3], top1_is_text, g), s[4])
             b.add(sid, *s)
             ref[sid] = s
         b.commit()

@@ -45,3 +45,8 @@ def test_lines_render_every_number_they_are_given():
     assert "cap" not in line
     assert render_eval_line(dict(step=3, loss=1.0, acc=0.5, streak=2.0, tau_chain=2.5, samples=4)) == \
         "eval @ step 3: loss 1.000 acc 0.500 streak 2.00 greedy-chain tau 2.50 (4 samples)"
+    judged = dict(step=3, loss=1.0, acc=0.5, streak=2.0, tau_chain=1.96, tau_chain_text=1.68, target_agreement=0.648,
+                  samples=4)
+    assert "greedy-chain tau 1.96 (against the text 1.68; 65% of it the target's top-1) (4 samples)" in \
+        render_eval_line(judged)
+    assert "against the text" not in render_eval_line({**judged, "tau_chain_text": 1.96, "target_agreement": 1.0})

@@ -6,7 +6,23 @@ anchorable position of a held-out sample is drafted once (visibility depends on 
 only, so all anchors can share one forward pass), giving run(p): how many slots from slot 1 the drafter
 gets right from anchor p. Walking p <- p + run(p) + 1 from the first supervised position reproduces
 greedy speculative decoding on that sequence; tokens committed per step (bonus included) averaged over
-the walk is `tau_chain`.
+the walk is `tau_chain_text`: every slot judged against the store's text.
+
+Real decoding judges a draft against the target's own greedy choice, not the text. Where the text is the
+target's own (replies it generated greedily) the two agree; on other text (human or another model's replies,
+of which the target's top-1 is often only ~60%) the text-judged walk reads low: a draft the target would
+accept counts as wrong wherever the text says something else. `tau_chain` judges each slot against the
+target's top-1 as the store holds it for every token. That is exact where the context is what decoding would
+have written: from anchor p, slot k's verdict is exact while the text's tokens p+1..p+k-1 are the target's
+own top-1 (the drafted slots before it, being accepted, are the same tokens). At the first accepted slot
+where the text leaves the target's choice the run is censored: decoding would go on from a text the store
+does not hold. Its remainder is estimated as survival analysis does (Kaplan-Meier): the rate of acceptance at
+each slot given the slots before it, over the anchors observed exactly there (pooled over the held-out set and
+the ranks), extends the censored run by its expected further accepted slots (rounded; the walk moves in whole
+tokens). On the target's own text nothing is censored and `tau_chain` equals `tau_chain_text`.
+`target_agreement` is the share of the held-out supervised tokens that are the target's top-1 (1.0 on its
+own greedy replies), and `accept_per_pos` the acceptance rate at each slot given the slots before it (the
+same quantity `dflash eval` reports per slot). A store without top-k judges against the text only.
 
 The tree estimate (`tau_tree_N` for each budget N of `tree_budgets`) is the same walk with tree
 verification (DDTree, as `dflash eval --tree-budget N` decodes): the same forward also returns the
@@ -16,7 +32,7 @@ budget-N tree from them exactly as eval builds it, and the accepted depth at an 
 the reference continuation the tree holds. Only labelled slots have logits, so in the last B - 1
 positions of a supervised span the tree is grown from the slots that remain (the span's end stops the
 walk there anyway); a tree over fewer slots holds every shallow node of the full one, so there the
-estimate can be slightly optimistic.
+estimate can be slightly optimistic. Trees are judged against the text (as `tau_chain_text`).
 """
 
 from __future__ import annotations
@@ -79,7 +95,11 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     # count, top-k correct; per tree budget: rounds, tokens committed
     J = len(TOPK_ACCURACY)
     tree_at = 7 + (2 + J) * B
-    v = torch.zeros(tree_at + 2 * len(budgets), dtype=torch.float64, device=device)
+    judged_at = tree_at + 2 * len(budgets)   # target-judged walk: rounds, committed; agreeing, supervised tokens
+    v = torch.zeros(judged_at + 4, dtype=torch.float64, device=device)
+    judge = held.reader.meta.topk > 0     # the store holds the target's top-1 of every token
+    hz = torch.zeros(2, B - 1, dtype=torch.float64, device=device)   # per slot: anchors at risk, rejections
+    walks: list[tuple[np.ndarray, np.ndarray, _Runs]] = []
     for row in held.rows:
         batch, cands = _sample_batch(held, row)
         T = cands.shape[0]
@@ -90,7 +110,8 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
             anchors = idx[a:a + max_anchors][None]
             out = run_blocks(model, held.frozen, batch, anchors, block_size=B, mask_token_id=dcfg.mask_token_id,
                              gamma=held.gamma, kl_weight=0.0, cap_weight=0.0, feature_noise=0.0,
-                             loss_chunk=held.loss_chunk, g=None, autocast=held.autocast, topk=K)
+                             loss_chunk=held.loss_chunk, g=None, autocast=held.autocast,
+                             topk=max(K, 1) if judge else K)
             tops.append(out.draft_topk)
             n_lab = out.count_B.sum().double()
             v[0] += out.ce.double() * n_lab
@@ -105,6 +126,14 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         v[4] += steps
         v[5] += committed
         v[6] += 1
+        if judge and len(idx):
+            ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in ("ids_RAmK", "reference_RAm"))
+            r = _judge_runs(batch, idx.to(device), ids[..., 0], ref)
+            hz += r.hazards(B - 1)
+            walks.append((idx.numpy(), cands.numpy(), r.to_host()))
+            mask, tok, top1 = batch.loss_mask[0, 1:], batch.tokens[0, 1:], batch.topk_ids[0, :-1, 0]
+            v[judged_at + 2] += ((tok == top1) & mask).sum().double()
+            v[judged_at + 3] += mask.sum().double()
         if budgets and len(idx):
             lp, ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in
                             ("logprobs_RAmK", "ids_RAmK", "reference_RAm"))
@@ -114,20 +143,102 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     if held.world > 1:
         import torch.distributed as dist
 
+        if judge:
+            dist.all_reduce(hz)   # every rank's walks extend their censored runs by the same rates
+    accept = (1 - hz[1] / hz[0].clamp_min(1)).where(hz[0] > 0, torch.zeros_like(hz[0])).cpu().numpy()
+    further = _expected_further(accept)
+    for idx, cands, r in walks:
+        runs = np.full(len(cands), -1, dtype=np.int64)
+        runs[idx] = r.runs(further)
+        steps, committed = walk_sequence(runs, cands, held.new_tokens)
+        v[judged_at] += steps
+        v[judged_at + 1] += committed
+    if held.world > 1:
         dist.all_reduce(v)
     v = v.cpu()
+    text_tau = float(v[5] / v[4].clamp_min(1))
     correct, count, topk = v[7:7 + B], v[7 + B:7 + 2 * B], v[7 + 2 * B:tree_at].view(J, B)
     return {
         "loss": float(v[0] / v[1].clamp_min(1)),      # unweighted CE per labelled slot
         **slot_accuracies(correct, topk, count),
         "streak": float(v[2] / v[3].clamp_min(1)),   # every anchor: the random-anchor style estimate
-        "tau_chain": float(v[5] / v[4].clamp_min(1)),
+        # judged against the target's top-1 (what decoding does; the text where the store has no top-k)
+        "tau_chain": float(v[judged_at + 1] / v[judged_at].clamp_min(1)) if judge else text_tau,
+        "tau_chain_text": text_tau,                  # every slot judged against the store's text
+        **({"target_agreement": float(v[judged_at + 2] / v[judged_at + 3].clamp_min(1)),
+            "accept_per_pos": [round(float(a), 4) for a in accept]} if judge else {}),
         **{f"tau_tree_{b}": float(v[tree_at + 2 * i + 1] / v[tree_at + 2 * i].clamp_min(1))
            for i, b in enumerate(budgets)},
         "samples": int(v[6]),
         "blocks": int(v[3]),
         "new_tokens": held.new_tokens,               # the taus' walk length per reply (0: whole replies)
     }
+
+
+# What ends an anchor's exactly observed run at its first slot that is not "accepted on the target's own text"
+_END, _REJECTED, _CENSORED, _FULL = 0, 1, 2, 3
+
+
+@dataclass
+class _Runs:
+    """One sample's anchors, judged against the target: per anchor, the slots accepted on the target's own text
+    before the run ended (`first`), how it ended (`how`) and its labelled slots (`labelled`)."""
+
+    first: torch.Tensor
+    how: torch.Tensor
+    labelled: torch.Tensor
+
+    def hazards(self, m: int) -> torch.Tensor:
+        """[2, m]: per slot, the anchors observed exactly there (at risk) and those rejected there."""
+        reach = torch.where((self.how == _REJECTED) | (self.how == _CENSORED), self.first + 1, self.first)
+        at_risk = torch.bincount(reach, minlength=m + 1).flip(0).cumsum(0).flip(0)[1:m + 1]
+        rejected = torch.bincount(self.first[self.how == _REJECTED], minlength=m)[:m]
+        return torch.stack([at_risk, rejected]).double()
+
+    def to_host(self) -> "_Runs":
+        return _Runs(self.first.cpu(), self.how.cpu(), self.labelled.cpu())
+
+    def runs(self, further: np.ndarray) -> np.ndarray:
+        """Accepted slots per anchor: the observed run, a censored one extended by `further`[s, n] (the
+        expected further accepted slots after s accepted, of n labelled), rounded."""
+        first, how, n = self.first.numpy(), self.how.numpy(), self.labelled.numpy()
+        runs = first.astype(np.float64)
+        cen = how == _CENSORED
+        runs[cen] = first[cen] + 1 + further[first[cen] + 1, n[cen]]
+        return np.rint(runs).astype(np.int64)
+
+
+def _judge_runs(batch: Batch, anchors_A: torch.Tensor, draft_Am: torch.Tensor, ref_Am: torch.Tensor) -> _Runs:
+    """Each anchor's drafted slots (the drafter's argmax) against the target's top-1 at the slot's position
+    (stored with the token before it), while the text is the target's own."""
+    T, m = batch.tokens.shape[1], draft_Am.shape[1]
+    teacher_Am = (anchors_A[:, None] + torch.arange(m, device=anchors_A.device)).clamp_max(T - 1)
+    top1_Am = batch.topk_ids[0, :, 0][teacher_Am]
+    labelled = ref_Am >= 0
+    accepted = labelled & (draft_Am == top1_Am)
+    own = accepted & (ref_Am == top1_Am)               # accepted, and the text goes on as the target would
+    first = _leading(own)                               # slots accepted on the target's own text
+    at = first.clamp_max(m - 1)[:, None]
+    how = torch.where(first == m, _FULL,
+                      torch.where(~labelled.gather(1, at)[:, 0], _END,
+                                  torch.where(~accepted.gather(1, at)[:, 0], _REJECTED, _CENSORED)))
+    return _Runs(first, how, _leading(labelled))
+
+
+def _leading(flags_Am: torch.Tensor) -> torch.Tensor:
+    """Per row, how many flags are set before the first unset one."""
+    return torch.cat([flags_Am, torch.zeros_like(flags_Am[:, :1])], 1).int().argmin(1)
+
+
+def _expected_further(accept: np.ndarray) -> np.ndarray:
+    """[s, n] for 0 <= s <= n <= m: the expected accepted slots after the first s of n labelled ones were
+    accepted, given the acceptance rate of each slot given the ones before it (`accept`, m slots)."""
+    m = len(accept)
+    out = np.zeros((m + 1, m + 1))
+    for s in range(m + 1):
+        survive = np.cumprod(accept[s:])                # P(slots s..j accepted | the first s were)
+        out[s, s + 1:] = np.cumsum(survive)
+    return out
 
 
 __all__ = ["HeldoutSet", "heldout_estimate"]

@@ -109,8 +109,12 @@ def render_train_line(rec: dict[str, Any], total: int) -> str:
 def render_eval_line(res: dict[str, Any]) -> str:
     trees = [(k.removeprefix("tau_tree_"), v) for k, v in res.items() if k.startswith("tau_tree_")]
     tree = (" tree tau " + ", ".join(f"{v:.2f} @ {n}" for n, v in trees)) if trees else ""
+    # judged against the target's top-1; where the text is not the target's own, the text-judged walk too
+    text = res.get("tau_chain_text")
+    judged = (f" (against the text {text:.2f}; {res['target_agreement']:.0%} of it the target's top-1)"
+              if text is not None and "target_agreement" in res and round(text, 2) != round(res["tau_chain"], 2) else "")
     return (f"eval @ step {res['step']}: loss {res['loss']:.3f} acc {res['acc']:.3f} "
-            f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f}{tree} ({res['samples']} samples"
+            f"streak {res['streak']:.2f} greedy-chain tau {res['tau_chain']:.2f}{judged}{tree} ({res['samples']} samples"
             + (f", first {res['new_tokens']} tokens of each reply)" if res.get("new_tokens") else ")"))
 
 

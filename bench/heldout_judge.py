@@ -1,0 +1,68 @@
+"""The held-out estimate of an exported drafter, judged two ways, next to its real acceptance length.
+
+`dflash train`'s estimate walks held-out samples of the store and judges every drafted slot. Against the
+store's text (`tau_chain_text`) it reads low on text the target did not write itself (a draft the target
+would accept counts as wrong wherever the text says something else); against the target's own top-1, with
+runs censored where the text leaves the target's choice (`tau_chain`, train/heldout.py), it judges as decoding
+does. This prints both for a store and a drafter, and with `--real` (a `dflash eval --json` record of the same
+drafter on the same prompts) the ratio of each to the real tau.
+
+    python bench/heldout_judge.py --store STORE --drafter DRAFTER_DIR [--new-tokens 256] [--real eval.json]
+        [--json out.json] [--device cpu|cuda]
+
+Made for the store of the eval prompts' own original replies: `dflash extract --data FIRST_EXCHANGES.jsonl`
+of the same prompts `dflash eval` decodes from, so that the estimate and the real tau read the same questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specforge_dflash import exported_heldout_estimate  # noqa: E402  (our estimate of an exported drafter)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--drafter", required=True, help="an exported drafter folder (dflash train's final/)")
+    ap.add_argument("--new-tokens", type=int, default=256, help="walk each reply's first N tokens, as "
+                    "`dflash eval --max-new-tokens N` decodes (0: whole replies)")
+    ap.add_argument("--rows", type=int, default=0, help="the store's first N samples (0: all)")
+    ap.add_argument("--real", default=None, help="`dflash eval --json` output of the same drafter")
+    ap.add_argument("--json", default=None, help="write the record here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args(argv)
+
+    from dflash_pipeline.store.reader import StoreReader
+
+    reader = StoreReader(a.store)
+    rows = np.arange(reader.num_samples if a.rows <= 0 else min(a.rows, reader.num_samples))
+    t = time.time()
+    # gamma weighs only the loss, which this does not report: the taus and accuracies do not depend on it
+    est = exported_heldout_estimate(Path(a.drafter), reader, rows, gamma=7.0, device=torch.device(a.device),
+                                    max_anchors=512, loss_chunk=0, new_tokens=a.new_tokens)
+    rec = {"store": a.store, "drafter": a.drafter, "samples": est["samples"], "seconds": round(time.time() - t, 1),
+           **{k: est.get(k) for k in ("tau_chain", "tau_chain_text", "target_agreement", "accept_per_pos", "acc_per_pos")}}
+    if a.real:
+        real = json.loads(Path(a.real).read_text())
+        rec["real_tau"] = real["tau"]
+        rec["real_accept_per_pos"] = real.get("accept_rate_per_position")
+        rec["ratio"] = {k: round(rec[k] / real["tau"], 3) for k in ("tau_chain", "tau_chain_text") if rec.get(k)}
+    text = json.dumps(rec, indent=1)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
