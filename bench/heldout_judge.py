@@ -10,8 +10,10 @@ drafter on the same prompts) the ratio of each to the real tau.
     python bench/heldout_judge.py --store STORE --drafter DRAFTER_DIR [--new-tokens 256] [--real eval.json]
         [--json out.json] [--device cpu|cuda]
 
-Made for the store of the eval prompts' own original replies: `dflash extract --data FIRST_EXCHANGES.jsonl`
-of the same prompts `dflash eval` decodes from, so that the estimate and the real tau read the same questions.
+Made for the store of the eval prompts' own original replies, so that the estimate and the real tau read the
+same questions: `python bench/heldout_judge.py first-exchanges prompts-chat.jsonl 80 first80.jsonl` writes the
+first user turn and reply of the first 80 conversations (those `dflash eval --num-prompts 80` decodes from),
+then `dflash extract --data first80.jsonl --max-length 1024 --layers LAYERS` (the drafter's target layers).
 """
 
 from __future__ import annotations
@@ -31,7 +33,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specforge_dflash import exported_heldout_estimate  # noqa: E402  (our estimate of an exported drafter)
 
 
+def first_exchanges(prompts: str, n: int, out: str) -> int:
+    """The first user turn and the reply after it of the first `n` conversations of a ShareGPT JSONL file."""
+    written = 0
+    with open(prompts, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
+        for line in f:
+            conv = json.loads(line)["conversations"] if line.strip() else []
+            user = next((i for i, m in enumerate(conv) if m["from"] == "human"), None)
+            reply = next((i for i in range(user + 1, len(conv)) if conv[i]["from"] == "gpt"), None) \
+                if user is not None else None
+            if reply is None:
+                continue
+            o.write(json.dumps({"conversations": [conv[user], conv[reply]]}, ensure_ascii=False) + "\n")
+            written += 1
+            if written == n:
+                break
+    return written
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["first-exchanges"]:
+        if len(argv) != 4:
+            raise SystemExit("usage: bench/heldout_judge.py first-exchanges PROMPTS.jsonl N OUT.jsonl")
+        print(f"{first_exchanges(argv[1], int(argv[2]), argv[3])} conversations -> {argv[3]}")
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", required=True)
     ap.add_argument("--drafter", required=True, help="an exported drafter folder (dflash train's final/)")

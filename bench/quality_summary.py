@@ -49,6 +49,8 @@ def run_row(b, name: str) -> dict[str, Any]:
     ev = s.get("eval") or {}
     row: dict[str, Any] = {"run": name, "steps": s.get("step"), "train_s": s.get("seconds"),
                            "tau_est": ev.get("tau_chain"), "acc1": (ev.get("acc_per_pos") or [None])[0],
+                           # judged against the text, and how much of it is the target's own top-1 (summary.json)
+                           "tau_est_text": ev.get("tau_chain_text"), "target_agreement": ev.get("target_agreement"),
                            "acc": ev.get("acc"), "train_tok_s": train_speed(b.run_dir(name))}
     try:
         cfg = json.loads((b.run_dir(name) / "config.json").read_text())
