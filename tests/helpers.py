@@ -132,3 +132,26 @@ def extract_tiny_store(root, tokenizer_dir, *, n: int = 24, out=None, **options)
                     quiet=True, device="cpu", num_features=3)
     run_extract(ExtractConfig(out=out, target=str(target), data=[str(data)], **{**settings, **options}))
     return str(target), out
+
+
+def random_heldout(store_url: str, *, vocab: int, block_size: int, tree_budgets=(), **store_kw):
+    """A random store, a random 2-layer drafter over it (eval mode) and the held-out set of all its samples:
+    (reader, drafter config, model, frozen tensors, HeldoutSet) for tests of the held-out estimate."""
+    from dflash_pipeline.store.reader import StoreReader
+    from dflash_pipeline.train.from_store import frozen_tensors
+    from dflash_pipeline.train.heldout import HeldoutSet
+    from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
+
+    write_random_store(store_url, vocab=vocab, **{"segments": 2, "seed": 3, **store_kw})
+    reader = StoreReader(store_url)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        vocab_size=vocab, block_size=block_size, mask_token_id=vocab - 1, target_layer_ids=[1, 3, 5],
+                        num_target_layers=8)
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.3, generator=torch.Generator().manual_seed(4))
+    model.eval()
+    frozen = frozen_tensors(reader, torch.device("cpu"), torch.float32)
+    held = HeldoutSet(reader=reader, rows=np.arange(reader.num_samples), frozen=frozen, drafter=cfg, gamma=4.0,
+                      max_anchors=7, loss_chunk=64, device=torch.device("cpu"), autocast=False,
+                      tree_budgets=tuple(tree_budgets))
+    return reader, cfg, model, frozen, held

@@ -13,26 +13,15 @@ from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.blocks import anchor_candidates
 from dflash_pipeline.train.from_store import frozen_tensors
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
-from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-from helpers import write_random_store
+from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig
+from helpers import random_heldout, write_random_store
 
 V, B = 4, 5   # a vocabulary of 4: a random drafter matches often enough for runs of several slots
 
 
-def _setup(tmp_path, top1_is_text: float, seed: int = 3):
-    write_random_store(str(tmp_path / "store"), segments=2, samples_per_segment=4, vocab=V, seed=seed,
-                       top1_is_text=top1_is_text, min_len=40, max_len=90)
-    reader = StoreReader(str(tmp_path / "store"))
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=[1, 3, 5],
-                        num_target_layers=8)
-    model = DFlashDrafter(cfg)
-    init_drafter_weights(model, std=0.3, generator=torch.Generator().manual_seed(4))
-    model.eval()
-    frozen = frozen_tensors(reader, torch.device("cpu"), torch.float32)
-    held = HeldoutSet(reader=reader, rows=np.arange(reader.num_samples), frozen=frozen, drafter=cfg, gamma=4.0,
-                      max_anchors=7, loss_chunk=64, device=torch.device("cpu"), autocast=False)
-    return reader, cfg, model, frozen, held
+def _setup(tmp_path, top1_is_text: float):
+    return random_heldout(str(tmp_path / "store"), vocab=V, block_size=B, samples_per_segment=4,
+                          top1_is_text=top1_is_text, min_len=40, max_len=90)
 
 
 def _naive(reader, cfg, model, frozen, new_tokens: int = 0):

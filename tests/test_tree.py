@@ -582,27 +582,15 @@ def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tm
     estimate defines it), `build_tree`, `walk` with the reference as the target's choice; budget 0 is
     `tau_chain_text` (both judged against the text)."""
     from dflash_pipeline.method import block_input_ids
-    from dflash_pipeline.store.reader import StoreReader
     from dflash_pipeline.train.blocks import anchor_candidates
-    from dflash_pipeline.train.from_store import frozen_tensors
     from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
     from dflash_pipeline.train.metrics import render_eval_line
-    from dflash_pipeline.train.model import DFlashDrafter, DrafterConfig, init_drafter_weights
-    from helpers import write_random_store
+    from helpers import random_heldout
 
     V, B = 100, 5
-    write_random_store(str(tmp_path / "store"), segments=2, samples_per_segment=3, vocab=V, seed=3)
-    reader = StoreReader(str(tmp_path / "store"))
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=[1, 3, 5],
-                        num_target_layers=8)
-    model = DFlashDrafter(cfg)
-    init_drafter_weights(model, std=0.3, generator=torch.Generator().manual_seed(4))
-    model.eval()
-    frozen = frozen_tensors(reader, torch.device("cpu"), torch.float32)
     budgets = (0, 4, 16, 150)  # 150 > V: K = V
-    held = HeldoutSet(reader=reader, rows=np.arange(reader.num_samples), frozen=frozen, drafter=cfg, gamma=4.0,
-                      max_anchors=7, loss_chunk=64, device=torch.device("cpu"), autocast=False, tree_budgets=budgets)
+    reader, cfg, model, frozen, held = random_heldout(str(tmp_path / "store"), vocab=V, block_size=B,
+                                                      samples_per_segment=3, tree_budgets=budgets)
     res = heldout_estimate(model, held)
 
     N = 6  # --eval-new-tokens: the same walks, each reply cut at N tokens
