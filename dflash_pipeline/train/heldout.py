@@ -140,11 +140,10 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
             est = tree_estimate(lp, ids, ref, idx, cands, budgets, held.new_tokens)
             for i, b in enumerate(budgets):
                 v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(est[b], dtype=torch.float64, device=device)
-    if held.world > 1:
+    if held.world > 1 and judge:
         import torch.distributed as dist
 
-        if judge:
-            dist.all_reduce(hz)   # every rank's walks extend their censored runs by the same rates
+        dist.all_reduce(hz)   # every rank's walks extend their censored runs by the same rates
     accept = (1 - hz[1] / hz[0].clamp_min(1)).where(hz[0] > 0, torch.zeros_like(hz[0])).cpu().numpy()
     further = _expected_further(accept)
     for idx, cands, r in walks:
@@ -154,6 +153,8 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         v[judged_at] += steps
         v[judged_at + 1] += committed
     if held.world > 1:
+        import torch.distributed as dist
+
         dist.all_reduce(v)
     v = v.cpu()
     text_tau = float(v[5] / v[4].clamp_min(1))
