@@ -666,3 +666,22 @@ def test_epoch_end_estimates_keep_to_their_share_of_the_run(tiny_store, tmp_path
 
     assert evals("all", 1.0) == [per_epoch, 2 * per_epoch, 3 * per_epoch, steps]
     assert evals("bounded", 1e-9) == [per_epoch, steps]
+
+
+def test_the_first_estimate_says_once_when_the_replies_are_not_the_target_s_own(tiny_store, tmp_path):
+    """The tiny store holds ShareGPT's replies, which its tiny random target would never have written: the first
+    held-out estimate is followed by one line on regenerating them; later estimates do not repeat it."""
+    from dflash_pipeline.cli import app
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, [
+        "train", "--store", tiny_store, "--out", str(tmp_path / "run"), "--device", "cpu", "--steps", "3",
+        "--num-layers", "1", "--block-size", "4", "--gamma", "3", "--max-anchors", "8", "--tokens-per-batch", "256",
+        "--max-length", "128", "--eval-fraction", "0.1", "--eval-every", "1", "--num-workers", "0",
+        "--eval-tree-budget", "none", "--no-compile"])
+    assert res.exit_code == 0, res.output
+    evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r.get("type") == "eval"]
+    assert len(evals) >= 2 and all(r["target_agreement"] < 0.9 for r in evals)
+    assert res.output.count("of the held-out reply tokens are the target's own top-1 choice") == 1, res.output
+    assert "dflash generate" in res.output
