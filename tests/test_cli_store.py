@@ -188,3 +188,27 @@ def test_verify_report_is_rendered_by_the_library(store):
     assert code == 1 and out == text + "\n"
     rep = verify_store(str(store), repair=True, drop_corrupt=True)
     assert not rep.failed and "removed corrupt segment 00000001" in render_verify(rep)
+
+
+def test_stats_says_how_much_of_the_text_is_the_target_s_own_choice(tmp_path):
+    """The share of supervised tokens that are the stored top-1 after the text before them, counted within samples:
+    all of them where the store holds the target's own greedy text, about 1 in 4 where the top-1 is random among
+    4 of a 4-token vocabulary, and a line that points at regeneration under 90%."""
+    own, other = str(tmp_path / "own"), str(tmp_path / "other")
+    write_random_store(own, segments=2, samples_per_segment=3, vocab=4, top1_is_text=1.0)
+    write_random_store(other, segments=2, samples_per_segment=3, vocab=4, seed=1)
+    shares = {}
+    for url in (own, other):
+        code, out, err = _run("store", "stats", url, "--json")
+        assert code == 0, err
+        a = json.loads(out.strip().splitlines()[-1])["target_agreement"]
+        assert a["segments"] == 2 and a["tokens"] > 50
+        shares[url] = a["share"]
+    assert shares[own] == 1.0 and 0.1 < shares[other] < 0.45
+    code, out, _ = _run("store", "stats", other)
+    def flat(text):  # the table wraps long cells: compare without spaces and borders
+        return "".join(c for c in text if not c.isspace() and c != "│")
+
+    assert code == 0 and "target'sowntext" in flat(out) and "(`dflashgenerate`)" in flat(out)
+    code, out, _ = _run("store", "stats", own)
+    assert code == 0 and "100.0%ofsupervisedtokens" in flat(out) and "dflashgenerate" not in flat(out)

@@ -244,6 +244,20 @@ class StoreReader:
             raise KeyError(f"sample id {sample_id} is not in {self.url}")
         return int(rows[0])
 
+    def read_arrays(self, segment: int, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Some of a segment's small arrays whole (not `hidden`), each checked against its commit marker's CRC32C."""
+        c = self.commit(segment)
+        arrs = self._segment_arrays(segment)
+        out = {}
+        for name in names:
+            if name in ("hidden", "hidden_scale") or name not in arrs:
+                raise ValueError(f"read_arrays reads the small per-segment arrays, not {name!r}")
+            self._check_chunks_exist(segment, name, arrs[name])
+            out[name] = self._read(segment, name, arrs[name])
+            if crc32c(out[name]) != c.arrays[name].crc32c[0]:
+                raise CorruptSegmentError(self.url, segment, name, "checksum mismatch (missing or altered chunk)")
+        return out
+
     def read_segment(self, segment: int, layers: Iterable[int] | None = None, *, verify: bool = True,
                      dtype: torch.dtype = torch.bfloat16) -> SegmentData:
         """A whole segment, checked against its commit marker's CRC32C (for the layers read)."""

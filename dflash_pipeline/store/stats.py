@@ -89,6 +89,29 @@ def _layer_rows(layer_ids: list[int], sums: dict[str, np.ndarray]) -> list[dict[
     return layers
 
 
+# Segments read for the share of supervised tokens that are the target's own top-1 (small arrays only)
+AGREEMENT_SEGMENTS = 8
+
+
+def target_agreement(reader: StoreReader, segments: list[int], seed: int = 0) -> dict[str, Any] | None:
+    """The share of supervised tokens that are the target's own top-1 choice after the text before them (1.0 on
+    replies the target wrote greedily), from the tokens and stored top-k of up to AGREEMENT_SEGMENTS random
+    segments; None without a teacher top-k."""
+    if not reader.meta.topk or not segments:
+        return None
+    chosen = sorted(random.Random(seed).sample(segments, min(AGREEMENT_SEGMENTS, len(segments))))
+    agree = supervised = 0
+    for seg in chosen:
+        a = reader.read_arrays(seg, ("tokens", "loss_mask", "topk_ids", "sample_offsets"))
+        tokens, mask, top1 = a["tokens"], a["loss_mask"].astype(bool), a["topk_ids"][:, 0]
+        follows = np.ones(len(tokens), dtype=bool)   # a sample's first token follows nothing of its own
+        follows[a["sample_offsets"][:-1]] = False
+        counted = mask[1:] & follows[1:]
+        agree += int((counted & (tokens[1:] == top1[:-1])).sum())
+        supervised += int(counted.sum())
+    return {"share": agree / supervised if supervised else None, "segments": len(chosen), "tokens": supervised}
+
+
 def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
                   commits: dict[int, SegmentCommit | None] | None = None) -> dict[str, Any]:
     """`commits`: markers already read by the caller (by segment); the ones needed are not read again."""
@@ -150,6 +173,8 @@ def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
         "topk": meta.topk,
         "data_provenance": meta.data_provenance,
         "topk_mass_mean": topk_mass / seen_tokens if meta.topk and commits else 0.0,
+        # supervised tokens that are the target's own top-1: how much of the text the target would have written
+        "target_agreement": target_agreement(reader, sorted(commits), seed),
         "nonfinite_values": nonfinite,
         "layers": _layer_rows(meta.layer_ids, sums),
         "length_hist": {"counts": [int(x) for x in hist_counts], "edges": [float(x) for x in hist_edges]},
@@ -181,6 +206,17 @@ def provenance_text(provenance: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def _agreement_text(a: dict[str, Any] | None) -> str:
+    if not a or a.get("share") is None:
+        return "unknown (no teacher top-k)"
+    text = (f"{a['share']:.1%} of supervised tokens are the target's top-1 ({a['tokens']:,} tokens of "
+            f"{a['segments']} segments)")
+    if a["share"] < 0.9:
+        text += ("; decoding accepts only the target's choices: replies the target wrote itself (`dflash generate`) "
+                 "trained drafters to 1.5x the acceptance length (README)")
+    return text
+
+
 def render_stats(s: dict[str, Any], console) -> None:
     """The readable report (rich tables + a terminal histogram of sample lengths)."""
     from rich.markup import escape
@@ -207,6 +243,7 @@ def render_stats(s: dict[str, Any], console) -> None:
                       f"template {s['tokenizer']['chat_template_hash'][:12] or 'none'})"),
         ("data", provenance_text(s.get("data_provenance") or [])),
         ("teacher top-k", f"k={s['topk']}, mean probability mass covered {s['topk_mass_mean']:.1%}"),
+        ("target's own text", _agreement_text(s.get("target_agreement"))),
         ("non-finite values", f"{s['nonfinite_values']:,}"),
     ]
     for k, v in rows:
