@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_pipeline.errors import CorruptSegmentError
 from dflash_pipeline.schemas.store import MANIFEST_KEY, SEGMENTS_PREFIX, TARGET_GROUP, SegmentCommit
 from dflash_pipeline.store.manifest import committed_segments, read_commits
 from dflash_pipeline.store.reader import StoreReader
@@ -100,16 +101,20 @@ def target_agreement(reader: StoreReader, segments: list[int], seed: int = 0) ->
     if not reader.meta.topk or not segments:
         return None
     chosen = sorted(random.Random(seed).sample(segments, min(AGREEMENT_SEGMENTS, len(segments))))
-    agree = supervised = 0
+    agree = supervised = read = 0
     for seg in chosen:
-        a = reader.read_arrays(seg, ("tokens", "loss_mask", "topk_ids", "sample_offsets"))
+        try:
+            a = reader.read_arrays(seg, ("tokens", "loss_mask", "topk_ids", "sample_offsets"))
+        except CorruptSegmentError:
+            continue   # `store verify` names it; the statistics come from the segments that read
+        read += 1
         tokens, mask, top1 = a["tokens"], a["loss_mask"].astype(bool), a["topk_ids"][:, 0]
         follows = np.ones(len(tokens), dtype=bool)   # a sample's first token follows nothing of its own
         follows[a["sample_offsets"][:-1]] = False
         counted = mask[1:] & follows[1:]
         agree += int((counted & (tokens[1:] == top1[:-1])).sum())
         supervised += int(counted.sum())
-    return {"share": agree / supervised if supervised else None, "segments": len(chosen), "tokens": supervised}
+    return {"share": agree / supervised if supervised else None, "segments": read, "tokens": supervised}
 
 
 def compute_stats(url: str, sample: int | None = 256, seed: int = 0,
