@@ -164,6 +164,8 @@ def test_store_carries_target_and_record(extracted, smollm_model):
     tok = r.load_tokenizer()
     assert tok.chat_template and len(tok) == 49152
     assert record["store"]["samples"] == 10 and record["segments_this_run"] == record["store"]["segments_committed"]
+    # ShareGPT's replies, not SmolLM2's own: its top-1 is their next token about 60% of the time (issue 17's fact)
+    assert 0.3 < record["store"]["target_agreement"]["share"] < 0.9
     runs = r.kv.list_dir("runs")
     assert any(n.startswith("extract-") and n.endswith(".json") for n in runs)
     assert verify_store(cfg.out).ok
