@@ -209,7 +209,7 @@ def test_stats_says_how_much_of_the_text_is_the_target_s_own_choice(tmp_path):
     def flat(text):  # the table wraps long cells: compare without spaces and borders
         return "".join(c for c in text if not c.isspace() and c != "│")
 
-    assert code == 0 and "target'sowntext" in flat(out) and "(`dflashgenerate`)" in flat(out)
+    assert code == 0 and "target'sowntext" in flat(out) and "`dflashgenerate`" in flat(out)
     code, out, _ = _run("store", "stats", own)
     assert code == 0 and "100.0%ofsupervisedtokens" in flat(out) and "dflashgenerate" not in flat(out)
 

@@ -262,7 +262,7 @@ def _resolve_dtype(cfg: ExtractConfig, kind: str) -> ExtractConfig:
 
 def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], seconds: float,
            line: LiveLine) -> dict[str, Any]:
-    from dflash_pipeline.store.stats import compute_stats
+    from dflash_pipeline.store.stats import compute_stats, own_text_hint
 
     kv = KV(open_zarr_store(cfg.out, read_only=False))
     commits = read_commits(kv, committed_segments(kv))   # read once: for the manifest and the summary
@@ -296,9 +296,9 @@ def finish(cfg: ExtractConfig, prep: Prepared, results: list[dict[str, Any]], se
     ]
     agree = (st.get("target_agreement") or {}).get("share")
     if agree is not None:
+        hint = own_text_hint(agree)
         lines.append(f"  the target's own text: {agree:.1%} of supervised tokens are its top-1 choice"
-                     + ("" if agree >= 0.9 else "; decoding accepts only its choices, and replies it wrote itself "
-                        "(`dflash generate`) trained drafters to 1.5x the acceptance length (README)"))
+                     + (f"; {hint}" if hint else ""))
     lines += ["  " + l for l in prep.data_report.get("summary", [])]
     line.done("\n".join(lines))
     return record

@@ -92,6 +92,16 @@ def _layer_rows(layer_ids: list[int], sums: dict[str, np.ndarray]) -> list[dict[
 
 # Segments read for the share of supervised tokens that are the target's own top-1 (small arrays only)
 AGREEMENT_SEGMENTS = 8
+# Below this share of the text being the target's own top-1, extract, stats and training point at regeneration
+OWN_TEXT_HINT_BELOW = 0.9
+
+
+def own_text_hint(share: float | None) -> str:
+    """Where little of the text is the target's own choice: why that matters and what to do ('' otherwise)."""
+    if share is None or share >= OWN_TEXT_HINT_BELOW:
+        return ""
+    return ("decoding accepts only the target's choices, and replies the target wrote itself (`dflash generate`, "
+            "then extract its output) trained drafters to 1.5x the acceptance length (README)")
 
 
 def target_agreement(reader: StoreReader, segments: list[int], seed: int = 0) -> dict[str, Any] | None:
@@ -214,12 +224,9 @@ def provenance_text(provenance: list[dict[str, Any]]) -> str:
 def _agreement_text(a: dict[str, Any] | None) -> str:
     if not a or a.get("share") is None:
         return "unknown (no teacher top-k)"
-    text = (f"{a['share']:.1%} of supervised tokens are the target's top-1 ({a['tokens']:,} tokens of "
-            f"{a['segments']} segments)")
-    if a["share"] < 0.9:
-        text += ("; decoding accepts only the target's choices: replies the target wrote itself (`dflash generate`) "
-                 "trained drafters to 1.5x the acceptance length (README)")
-    return text
+    hint = own_text_hint(a["share"])
+    return (f"{a['share']:.1%} of supervised tokens are the target's top-1 ({a['tokens']:,} tokens of "
+            f"{a['segments']} segments)" + (f"; {hint}" if hint else ""))
 
 
 def render_stats(s: dict[str, Any], console) -> None:

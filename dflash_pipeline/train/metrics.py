@@ -106,16 +106,13 @@ def render_train_line(rec: dict[str, Any], total: int) -> str:
             f"data-wait {rec['data_wait_frac']:.1%}{mem} | ETA {fmt_duration(rec['eta_s'])}")
 
 
-# Below this share of held-out tokens that are the target's own top-1, the first estimate says how to do better.
-DATA_HINT_AGREEMENT = 0.9
-
-
 def data_hint(agreement: float) -> str:
-    """One line for a store whose replies the target did not write: decoding accepts only the target's own
-    choices, so a drafter learns most from the target's own replies (BENCHMARKS.md: 1.5x the real tau)."""
-    return (f"note: {agreement:.0%} of the held-out reply tokens are the target's own top-1 choice; decoding accepts "
-            f"only the target's choices, and drafters trained on replies the target wrote itself (`dflash generate`, "
-            f"then extract its output) reached 1.5x the acceptance length of the original replies' (README)")
+    """After the first held-out estimate, one line where little of the held-out text is the target's own choice
+    ('' otherwise)."""
+    from dflash_pipeline.store.stats import own_text_hint
+
+    hint = own_text_hint(agreement)
+    return f"note: {agreement:.0%} of the held-out reply tokens are the target's own top-1 choice; {hint}" if hint else ""
 
 
 def render_eval_line(res: dict[str, Any]) -> str:

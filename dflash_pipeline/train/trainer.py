@@ -40,8 +40,8 @@ from dflash_pipeline.train.from_store import (anchor_coverage, check_init, check
                                               frozen_tensors, init_state, noise_scale, resolve_batch)
 from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
-from dflash_pipeline.train.metrics import (DATA_HINT_AGREEMENT, PEAK_BF16_FLOPS, IntervalMetrics, Trackers, data_hint,
-                                           render_eval_line, render_train_line)
+from dflash_pipeline.train.metrics import (PEAK_BF16_FLOPS, IntervalMetrics, Trackers, data_hint, render_eval_line,
+                                           render_train_line)
 from dflash_pipeline.train.memory import (MemoryPlan, Probe, batch_bytes, can_measure, device_budget, held_bytes,
                                           measure_step, run_plans, search_recompute, synthetic_batch,
                                           worst_shape)
@@ -527,8 +527,8 @@ class Trainer:
             self.records.write({"type": "eval", "time": round(t1, 3), "seconds": round(t1 - t0, 3), **res})
             self.trackers.log({f"eval/{k}": v for k, v in res.items() if isinstance(v, (int, float))}, self.step)
             self.line.say(render_eval_line(res))
-            if not self.last_eval and res.get("target_agreement", 1.0) < DATA_HINT_AGREEMENT:
-                self.line.say(data_hint(res["target_agreement"]))
+            if not self.last_eval and (hint := data_hint(res.get("target_agreement", 1.0))):
+                self.line.say(hint)
         self.last_eval = res
         return res
 
