@@ -3,11 +3,13 @@ drafts every anchor with the drafter's decoding step and judges slot by slot in 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.decoding.tree import walk_sequence
+from dflash_pipeline.decoding.tree import build_tree, slot_topk, walk, walk_sequence
 from dflash_pipeline.method import block_input_ids
 from dflash_pipeline.store.reader import StoreReader
 from dflash_pipeline.train.blocks import anchor_candidates
@@ -24,9 +26,11 @@ def _setup(tmp_path, top1_is_text: float):
                           top1_is_text=top1_is_text, min_len=40, max_len=90)
 
 
-def _naive(reader, cfg, model, frozen, new_tokens: int = 0):
+def _naive(reader, cfg, model, frozen, new_tokens: int = 0, budget: int = 0):
     """tau judged against the stored top-1: exact runs, censored where the text leaves the target's choice,
-    extended by the pooled per-slot acceptance rates; and the share of supervised tokens that are the top-1."""
+    extended by the pooled per-slot acceptance rates; and the share of supervised tokens that are the top-1.
+    Budget 0: the chain (the drafter's argmax at each slot); N: the tree `dflash eval --tree-budget N` builds
+    from the drafter's slot distributions, a slot accepted while the tree holds the target's path to it."""
     m = B - 1
     seqs, at_risk, rejected, agree, supervised = [], np.zeros(m), np.zeros(m), 0, 0
     for row in range(reader.num_samples):
@@ -42,10 +46,20 @@ def _naive(reader, cfg, model, frozen, new_tokens: int = 0):
             emb = frozen.embed_VH[block_input_ids(tokens[p:p + 1], B, cfg.mask_token_id)]
             with torch.no_grad():
                 hidden = model.draft_step(feats[:, :p], torch.arange(p), emb, p + torch.arange(B), model.new_cache())
-            draft = (hidden[0, 1:] @ frozen.head_VH.T).argmax(-1).tolist()
+            logits = hidden[0, 1:] @ frozen.head_VH.T
             labelled = 0
             while labelled < m and p + 1 + labelled < T and mask[p + 1 + labelled]:
                 labelled += 1
+            target = [int(top1[p + k]) if k < labelled else -1 for k in range(m)]
+            if budget == 0:
+                holds = [logits[k].argmax().item() == target[k] for k in range(m)]
+            else:   # the tree's accepted depth along the target's path (slots without a label: no node)
+                lp, ids = slot_topk(logits, V)
+                lp[torch.tensor(target) < 0] = -math.inf
+                tree = build_tree(lp, ids, budget)
+                choice = torch.tensor(target + [-1])[torch.cat([torch.zeros(1, dtype=torch.long), tree.depths_N])]
+                depth = len(walk(tree, choice)[0])
+                holds = [k < depth for k in range(m)]
             accepted, how = 0, "full"
             for k in range(m):
                 q = p + 1 + k
@@ -53,7 +67,7 @@ def _naive(reader, cfg, model, frozen, new_tokens: int = 0):
                     how = "end"
                     break
                 at_risk[k] += 1
-                if draft[k] != top1[q - 1]:
+                if not holds[k]:
                     rejected[k] += 1
                     how = "rejected"
                     break
@@ -93,6 +107,17 @@ def test_tau_chain_judged_against_the_target_equals_the_naive_walk(tmp_path):
     assert res["tau_chain"] != res["tau_chain_text"]
     cut = heldout_estimate(model, HeldoutSet(**{**held.__dict__, "new_tokens": 6}))
     assert cut["tau_chain"] == pytest.approx(_naive(reader, cfg, model, frozen, new_tokens=6)[0], abs=1e-12)
+
+
+def test_tree_estimates_judged_against_the_target_equal_the_naive_trees(tmp_path):
+    reader, cfg, model, frozen, held = _setup(tmp_path, top1_is_text=0.5)
+    res = heldout_estimate(model, HeldoutSet(**{**held.__dict__, "tree_budgets": (0, 2, 6)}))
+    assert res["tau_tree_0"] == res["tau_chain"]
+    for b in (2, 6):
+        tau, _, _, censored = _naive(reader, cfg, model, frozen, budget=b)
+        assert censored > 10 and res[f"tau_tree_{b}"] == pytest.approx(tau, abs=1e-12), b
+        assert res[f"tau_tree_{b}"] != res["text_tau_tree"][str(b)]
+    assert res["tau_chain"] <= res["tau_tree_2"] <= res["tau_tree_6"] and res["tau_chain"] < res["tau_tree_6"]
 
 
 def test_on_the_target_s_own_text_both_judges_agree(tmp_path):

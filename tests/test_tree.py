@@ -580,7 +580,8 @@ def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tm
     decoding each held-out sequence anchor by anchor with eval's pieces: the drafter's decoding step on
     the context before the anchor, full-vocabulary slot log-probs (slots without a label: no node, as the
     estimate defines it), `build_tree`, `walk` with the reference as the target's choice; budget 0 is
-    `tau_chain_text` (both judged against the text)."""
+    `tau_chain_text` (both judged against the text: `text_tau_tree`; judged against the target, budget 0 is
+    `tau_chain`)."""
     from dflash_pipeline.method import block_input_ids
     from dflash_pipeline.train.blocks import anchor_candidates
     from dflash_pipeline.train.heldout import HeldoutSet, heldout_estimate
@@ -622,14 +623,15 @@ def test_heldout_tree_estimate_equals_eval_builder_on_the_drafters_own_logits(tm
             rounds, committed = decode_each_reply(accepted[b], mask.numpy(), N)
             cut_sums[b][0] += rounds
             cut_sums[b][1] += committed
+    text, cut_text = res["text_tau_tree"], cut["text_tau_tree"]   # judged against the text, as the reference here
     for b in budgets:
-        assert res[f"tau_tree_{b}"] == sums[b][1] / sums[b][0], b
-        assert cut[f"tau_tree_{b}"] == cut_sums[b][1] / cut_sums[b][0], b
-    assert cut["tau_chain_text"] == cut["tau_tree_0"] and cut["loss"] == res["loss"]
+        assert text[str(b)] == sums[b][1] / sums[b][0], b
+        assert cut_text[str(b)] == cut_sums[b][1] / cut_sums[b][0], b
+    assert cut["tau_chain_text"] == cut_text["0"] and cut["loss"] == res["loss"]
     assert render_eval_line({**cut, "step": 1}).endswith(f"samples, first {N} tokens of each reply)")
     assert render_eval_line({**res, "step": 1}).endswith(" samples)") and res["new_tokens"] == 0
-    assert res["tau_tree_0"] == res["tau_chain_text"]
-    assert res["tau_tree_0"] < res["tau_tree_16"] <= res["tau_tree_150"]
+    assert text["0"] == res["tau_chain_text"] and res["tau_tree_0"] == res["tau_chain"]   # each judge's chain
+    assert text["0"] < text["16"] <= text["150"]
     assert deepest >= 2  # trees accepted more than one draft somewhere
     assert f"{res['tau_tree_16']:.2f} @ 16" in render_eval_line({**res, "step": 1})
     none = heldout_estimate(model, HeldoutSet(**{**held.__dict__, "tree_budgets": ()}))

@@ -27,12 +27,15 @@ same quantity `dflash eval` reports per slot). A store without top-k judges agai
 The tree estimate (`tau_tree_N` for each budget N of `tree_budgets`) is the same walk with tree
 verification (DDTree, as `dflash eval --tree-budget N` decodes): the same forward also returns the
 drafter's top-K log-probabilities of every labelled slot (K = the largest budget, which makes every
-budget's tree the tree of the full distribution), `decoding.tree.tree_estimate` builds each anchor's
+budget's tree the tree of the full distribution), `decoding.tree.reference_depths` builds each anchor's
 budget-N tree from them exactly as eval builds it, and the accepted depth at an anchor is how much of
 the reference continuation the tree holds. Only labelled slots have logits, so in the last B - 1
 positions of a supervised span the tree is grown from the slots that remain (the span's end stops the
 walk there anyway); a tree over fewer slots holds every shallow node of the full one, so there the
-estimate can be slightly optimistic. Trees are judged against the text (as `tau_chain_text`).
+estimate can be slightly optimistic. Trees are judged as the chain is: `tau_tree_N` against the target (a slot
+accepted while the tree holds the target's top-1 path to it; exact while the text is that path, censored and
+extended by the tree's own per-depth rates where it is not; trees are rebuilt only for the anchors whose
+continuation is not the target's own), `text_tau_tree` against the text.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_pipeline.decoding.tree import topk_for_budget, tree_estimate, walk_sequence
+from dflash_pipeline.decoding.tree import reference_depths, topk_for_budget, walk_sequence
 from dflash_pipeline.train.blocks import anchor_candidates
 from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.model import DrafterConfig
@@ -95,11 +98,13 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
     # count, top-k correct; per tree budget: rounds, tokens committed
     J = len(TOPK_ACCURACY)
     tree_at = 7 + (2 + J) * B
-    judged_at = tree_at + 2 * len(budgets)   # target-judged walk: rounds, committed; agreeing, supervised tokens
-    v = torch.zeros(judged_at + 4, dtype=torch.float64, device=device)
+    m = B - 1
     judge = held.reader.meta.topk > 0     # the store holds the target's top-1 of every token
-    hz = torch.zeros(2, B - 1, dtype=torch.float64, device=device)   # per slot: anchors at risk, rejections
-    walks: list[tuple[np.ndarray, np.ndarray, _Runs]] = []
+    judged = [0, *budgets] if judge else []   # walks judged against the target: the chain (0), then each tree
+    judged_at = tree_at + 2 * len(budgets)    # per judged walk: rounds, committed; then agreeing, supervised tokens
+    v = torch.zeros(judged_at + 2 * len(judged) + 2, dtype=torch.float64, device=device)
+    hz = torch.zeros(len(judged), 2, m, dtype=torch.float64, device=device)   # per slot: at risk, rejected
+    walks: list[tuple[np.ndarray, np.ndarray, list[_Runs]]] = []
     for row in held.rows:
         batch, cands = _sample_batch(held, row)
         T = cands.shape[0]
@@ -126,50 +131,71 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         v[4] += steps
         v[5] += committed
         v[6] += 1
-        if judge and len(idx):
-            ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in ("ids_RAmK", "reference_RAm"))
-            r = _judge_runs(batch, idx.to(device), ids[..., 0], ref)
-            hz += r.hazards(B - 1)
-            walks.append((idx.numpy(), cands.numpy(), r.to_host()))
-            mask, tok, top1 = batch.loss_mask[0, 1:], batch.tokens[0, 1:], batch.topk_ids[0, :-1, 0]
-            v[judged_at + 2] += ((tok == top1) & mask).sum().double()
-            v[judged_at + 3] += mask.sum().double()
-        if budgets and len(idx):
-            lp, ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in
-                            ("logprobs_RAmK", "ids_RAmK", "reference_RAm"))
-            est = tree_estimate(lp, ids, ref, idx, cands, budgets, held.new_tokens)
-            for i, b in enumerate(budgets):
-                v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(est[b], dtype=torch.float64, device=device)
+        if not len(idx) or not (budgets or judge):
+            continue
+        lp, ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in
+                        ("logprobs_RAmK", "ids_RAmK", "reference_RAm"))
+        text_depth = {}
+        for i, b in enumerate(budgets):   # trees judged against the text
+            text_depth[b] = reference_depths(lp, ids, ref, b)
+            accepted = np.full(T, -1, dtype=np.int64)
+            accepted[idx.numpy()] = text_depth[b].cpu().numpy()
+            v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(walk_sequence(accepted, cands.numpy(), held.new_tokens),
+                                                                   dtype=torch.float64, device=device)
+        if judge:
+            top1 = _target_reference(batch, idx.to(device), ref)
+            differ = (top1 != ref).any(1)   # anchors whose continuation is not the target's own somewhere
+            sample_runs = []
+            for j, b in enumerate(judged):
+                if b == 0:
+                    accepted_Am = (ref >= 0) & (ids[..., 0] == top1)
+                else:
+                    depth = text_depth[b].clone()
+                    if differ.any():
+                        depth[differ] = reference_depths(lp[differ], ids[differ], top1[differ], b)
+                    accepted_Am = torch.arange(m, device=device) < depth[:, None]
+                r = _judge_runs(accepted_Am, ref, top1)
+                hz[j] += r.hazards(m)
+                sample_runs.append(r.to_host())
+            walks.append((idx.numpy(), cands.numpy(), sample_runs))
+            mask, tok, next1 = batch.loss_mask[0, 1:], batch.tokens[0, 1:], batch.topk_ids[0, :-1, 0]
+            v[-2] += ((tok == next1) & mask).sum().double()
+            v[-1] += mask.sum().double()
     if held.world > 1 and judge:
         import torch.distributed as dist
 
         dist.all_reduce(hz)   # every rank's walks extend their censored runs by the same rates
-    accept = (1 - hz[1] / hz[0].clamp_min(1)).where(hz[0] > 0, torch.zeros_like(hz[0])).cpu().numpy()
-    further = _expected_further(accept)
-    for idx, cands, r in walks:
-        runs = np.full(len(cands), -1, dtype=np.int64)
-        runs[idx] = r.runs(further)
-        steps, committed = walk_sequence(runs, cands, held.new_tokens)
-        v[judged_at] += steps
-        v[judged_at + 1] += committed
+    accept = (1 - hz[:, 1] / hz[:, 0].clamp_min(1)).where(hz[:, 0] > 0, torch.zeros_like(hz[:, 0])).cpu().numpy()
+    further = [_expected_further(a) for a in accept]
+    for idx, cands, sample_runs in walks:
+        for j, r in enumerate(sample_runs):
+            runs = np.full(len(cands), -1, dtype=np.int64)
+            runs[idx] = r.runs(further[j])
+            steps, committed = walk_sequence(runs, cands, held.new_tokens)
+            v[judged_at + 2 * j] += steps
+            v[judged_at + 2 * j + 1] += committed
     if held.world > 1:
         import torch.distributed as dist
 
         dist.all_reduce(v)
     v = v.cpu()
-    text_tau = float(v[5] / v[4].clamp_min(1))
+
+    def tau(at: int) -> float:
+        return float(v[at + 1] / v[at].clamp_min(1))
+
+    text_tree = {b: tau(tree_at + 2 * i) for i, b in enumerate(budgets)}
     correct, count, topk = v[7:7 + B], v[7 + B:7 + 2 * B], v[7 + 2 * B:tree_at].view(J, B)
     return {
         "loss": float(v[0] / v[1].clamp_min(1)),      # unweighted CE per labelled slot
         **slot_accuracies(correct, topk, count),
         "streak": float(v[2] / v[3].clamp_min(1)),   # every anchor: the random-anchor style estimate
         # judged against the target's top-1 (what decoding does; the text where the store has no top-k)
-        "tau_chain": float(v[judged_at + 1] / v[judged_at].clamp_min(1)) if judge else text_tau,
-        "tau_chain_text": text_tau,                  # every slot judged against the store's text
-        **({"target_agreement": float(v[judged_at + 2] / v[judged_at + 3].clamp_min(1)),
-            "accept_per_pos": [round(float(a), 4) for a in accept]} if judge else {}),
-        **{f"tau_tree_{b}": float(v[tree_at + 2 * i + 1] / v[tree_at + 2 * i].clamp_min(1))
-           for i, b in enumerate(budgets)},
+        "tau_chain": tau(judged_at) if judge else tau(4),
+        "tau_chain_text": tau(4),                    # every slot judged against the store's text
+        **{f"tau_tree_{b}": tau(judged_at + 2 * (i + 1)) if judge else text_tree[b] for i, b in enumerate(budgets)},
+        **({"target_agreement": float(v[-2] / v[-1].clamp_min(1)),
+            "accept_per_pos": [round(float(a), 4) for a in accept[0]],
+            **({"text_tau_tree": {str(b): t for b, t in text_tree.items()}} if budgets else {})} if judge else {}),
         "samples": int(v[6]),
         "blocks": int(v[3]),
         "new_tokens": held.new_tokens,               # the taus' walk length per reply (0: whole replies)
@@ -209,14 +235,20 @@ class _Runs:
         return np.rint(runs).astype(np.int64)
 
 
-def _judge_runs(batch: Batch, anchors_A: torch.Tensor, draft_Am: torch.Tensor, ref_Am: torch.Tensor) -> _Runs:
-    """Each anchor's drafted slots (the drafter's argmax) against the target's top-1 at the slot's position
-    (stored with the token before it), while the text is the target's own."""
-    T, m = batch.tokens.shape[1], draft_Am.shape[1]
+def _target_reference(batch: Batch, anchors_A: torch.Tensor, ref_Am: torch.Tensor) -> torch.Tensor:
+    """[A, m] the target's top-1 at each anchor's labelled slots (stored with the token before the slot), -1 where
+    the slot has no label."""
+    T, m = batch.tokens.shape[1], ref_Am.shape[1]
     teacher_Am = (anchors_A[:, None] + torch.arange(m, device=anchors_A.device)).clamp_max(T - 1)
-    top1_Am = batch.topk_ids[0, :, 0][teacher_Am]
+    return torch.where(ref_Am >= 0, batch.topk_ids[0, :, 0][teacher_Am], -1)
+
+
+def _judge_runs(accepted_Am: torch.Tensor, ref_Am: torch.Tensor, top1_Am: torch.Tensor) -> _Runs:
+    """Each anchor's run of accepted slots (the drafted token, or the tree's path, is the target's top-1 there)
+    while the text is the target's own; how it ended, and its labelled slots."""
+    m = ref_Am.shape[1]
     labelled = ref_Am >= 0
-    accepted = labelled & (draft_Am == top1_Am)
+    accepted = accepted_Am & labelled
     own = accepted & (ref_Am == top1_Am)               # accepted, and the text goes on as the target would
     first = _leading(own)                               # slots accepted on the target's own text
     at = first.clamp_max(m - 1)[:, None]
