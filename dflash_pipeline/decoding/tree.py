@@ -398,7 +398,7 @@ def reference_depths(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, referenc
 
 def tree_estimate(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, reference_AD: torch.Tensor,
                   anchors_A: torch.Tensor, candidates_T: torch.Tensor, budgets: Sequence[int],
-                  new_tokens: int = 0) -> dict[int, tuple[int, int]]:
+                  new_tokens: int = 0, depths: dict[int, torch.Tensor] | None = None) -> dict[int, tuple[int, int]]:
     """{budget: (rounds, tokens committed)} of tree decoding along one held-out sequence.
 
     logprobs_ADK / ids_ADK: the drafter's top-K of slots 1..D at each anchor (best first; K >= the largest
@@ -406,14 +406,18 @@ def tree_estimate(logprobs_ADK: torch.Tensor, ids_ADK: torch.Tensor, reference_A
     tokens at anchor + 1 .. anchor + D, negative where not supervised; anchors_A: their positions;
     candidates_T: bool, positions that can be anchors. Budget 0 is the chain (training's `tau_chain`).
     Sum rounds and tokens over sequences (and ranks); tau = tokens / rounds. new_tokens: as `walk_sequence`.
+    `depths`: if given, filled with each budget's accepted drafts per anchor ([A], on the device).
     """
     T = int(candidates_T.shape[0])
     cands = candidates_T.cpu().numpy().astype(bool)
     at = anchors_A.cpu().numpy()
     out = {}
     for budget in budgets:
+        depth = reference_depths(logprobs_ADK, ids_ADK, reference_AD, int(budget))
+        if depths is not None:
+            depths[int(budget)] = depth
         accepted = np.full(T, -1, dtype=np.int64)
-        accepted[at] = reference_depths(logprobs_ADK, ids_ADK, reference_AD, int(budget)).cpu().numpy()
+        accepted[at] = depth.cpu().numpy()
         out[int(budget)] = walk_sequence(accepted, cands, new_tokens)
     return out
 

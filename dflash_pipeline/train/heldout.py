@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_pipeline.decoding.tree import reference_depths, topk_for_budget, walk_sequence
+from dflash_pipeline.decoding.tree import reference_depths, topk_for_budget, tree_estimate, walk_sequence
 from dflash_pipeline.train.blocks import anchor_candidates
 from dflash_pipeline.train.batch import Batch
 from dflash_pipeline.train.model import DrafterConfig
@@ -135,13 +135,10 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
             continue
         lp, ids, ref = (torch.cat([getattr(t, f)[0] for t in tops]) for f in
                         ("logprobs_RAmK", "ids_RAmK", "reference_RAm"))
-        text_depth = {}
-        for i, b in enumerate(budgets):   # trees judged against the text
-            text_depth[b] = reference_depths(lp, ids, ref, b)
-            accepted = np.full(T, -1, dtype=np.int64)
-            accepted[idx.numpy()] = text_depth[b].cpu().numpy()
-            v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(walk_sequence(accepted, cands.numpy(), held.new_tokens),
-                                                                   dtype=torch.float64, device=device)
+        text_depth: dict[int, torch.Tensor] = {}   # trees judged against the text
+        est = tree_estimate(lp, ids, ref, idx, cands, budgets, held.new_tokens, depths=text_depth)
+        for i, b in enumerate(budgets):
+            v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(est[b], dtype=torch.float64, device=device)
         if judge:
             top1 = _target_reference(batch, idx.to(device), ref)
             differ = (top1 != ref).any(1)   # anchors whose continuation is not the target's own somewhere
