@@ -140,37 +140,14 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         for i, b in enumerate(budgets):
             v[tree_at + 2 * i:tree_at + 2 * i + 2] += torch.tensor(est[b], dtype=torch.float64, device=device)
         if judge:
-            top1 = _target_reference(batch, idx.to(device), ref)
-            differ = (top1 != ref).any(1)   # anchors whose continuation is not the target's own somewhere
-            sample_runs = []
-            for j, b in enumerate(judged):
-                if b == 0:
-                    accepted_Am = (ref >= 0) & (ids[..., 0] == top1)
-                else:
-                    depth = text_depth[b].clone()
-                    if differ.any():
-                        depth[differ] = reference_depths(lp[differ], ids[differ], top1[differ], b)
-                    accepted_Am = torch.arange(m, device=device) < depth[:, None]
-                r = _judge_runs(accepted_Am, ref, top1)
+            sample_runs = _judge_sample(batch, idx.to(device), lp, ids, ref, text_depth, judged)
+            for j, r in enumerate(sample_runs):
                 hz[j] += r.hazards(m)
-                sample_runs.append(r.to_host())
-            walks.append((idx.numpy(), cands.numpy(), sample_runs))
+            walks.append((idx.numpy(), cands.numpy(), [r.to_host() for r in sample_runs]))
             mask, tok, next1 = batch.loss_mask[0, 1:], batch.tokens[0, 1:], batch.topk_ids[0, :-1, 0]
             v[-2] += ((tok == next1) & mask).sum().double()
             v[-1] += mask.sum().double()
-    if held.world > 1 and judge:
-        import torch.distributed as dist
-
-        dist.all_reduce(hz)   # every rank's walks extend their censored runs by the same rates
-    accept = (1 - hz[:, 1] / hz[:, 0].clamp_min(1)).where(hz[:, 0] > 0, torch.zeros_like(hz[:, 0])).cpu().numpy()
-    further = [_expected_further(a) for a in accept]
-    for idx, cands, sample_runs in walks:
-        for j, r in enumerate(sample_runs):
-            runs = np.full(len(cands), -1, dtype=np.int64)
-            runs[idx] = r.runs(further[j])
-            steps, committed = walk_sequence(runs, cands, held.new_tokens)
-            v[judged_at + 2 * j] += steps
-            v[judged_at + 2 * j + 1] += committed
+    accept = _walk_judged(walks, hz, v, judged_at, held) if judge else np.zeros((0, m))
     if held.world > 1:
         import torch.distributed as dist
 
@@ -197,6 +174,46 @@ def heldout_estimate(model, held: HeldoutSet) -> dict[str, Any]:
         "blocks": int(v[3]),
         "new_tokens": held.new_tokens,               # the taus' walk length per reply (0: whole replies)
     }
+
+
+def _judge_sample(batch: Batch, anchors_A: torch.Tensor, lp, ids, ref: torch.Tensor,
+                  text_depth: dict[int, torch.Tensor], judged: list[int]) -> list["_Runs"]:
+    """One sample's anchors judged against the target, for each judged walk: the chain (budget 0: the drafter's
+    argmax) and each tree budget (the tree holds the target's path; rebuilt only for the anchors whose
+    continuation is not the target's own, the others keep their text-judged depth)."""
+    m = ref.shape[1]
+    top1 = _target_reference(batch, anchors_A, ref)
+    differ = (top1 != ref).any(1)
+    out = []
+    for b in judged:
+        if b == 0:
+            accepted_Am = (ref >= 0) & (ids[..., 0] == top1)
+        else:
+            depth = text_depth[b].clone()
+            if differ.any():
+                depth[differ] = reference_depths(lp[differ], ids[differ], top1[differ], b)
+            accepted_Am = torch.arange(m, device=ref.device) < depth[:, None]
+        out.append(_judge_runs(accepted_Am, ref, top1))
+    return out
+
+
+def _walk_judged(walks, hz: torch.Tensor, v: torch.Tensor, judged_at: int, held: HeldoutSet) -> np.ndarray:
+    """The judged walks of every sample into `v` (rounds, committed per walk from `judged_at`), their censored runs
+    extended by the acceptance rates pooled over the ranks; returns the rates [walks, m]."""
+    if held.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(hz)   # every rank's walks extend their censored runs by the same rates
+    accept = (1 - hz[:, 1] / hz[:, 0].clamp_min(1)).where(hz[:, 0] > 0, torch.zeros_like(hz[:, 0])).cpu().numpy()
+    further = [_expected_further(a) for a in accept]
+    for idx, cands, sample_runs in walks:
+        for j, r in enumerate(sample_runs):
+            runs = np.full(len(cands), -1, dtype=np.int64)
+            runs[idx] = r.runs(further[j])
+            steps, committed = walk_sequence(runs, cands, held.new_tokens)
+            v[judged_at + 2 * j] += steps
+            v[judged_at + 2 * j + 1] += committed
+    return accept
 
 
 # What ends an anchor's exactly observed run at its first slot that is not "accepted on the target's own text"
