@@ -254,8 +254,7 @@ class StoreReader:
                 raise ValueError(f"read_arrays reads the small per-segment arrays, not {name!r}")
             self._check_chunks_exist(segment, name, arrs[name])
             out[name] = self._read(segment, name, arrs[name])
-            if crc32c(out[name]) != c.arrays[name].crc32c[0]:
-                raise CorruptSegmentError(self.url, segment, name, "checksum mismatch (missing or altered chunk)")
+        self._verify_raw(segment, c, out, None)
         return out
 
     def read_segment(self, segment: int, layers: Iterable[int] | None = None, *, verify: bool = True,
