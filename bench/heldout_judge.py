@@ -34,17 +34,17 @@ from specforge_dflash import exported_heldout_estimate  # noqa: E402  (our estim
 
 
 def first_exchanges(prompts: str, n: int, out: str) -> int:
-    """The first user turn and the reply after it of the first `n` conversations of a ShareGPT JSONL file."""
+    """The first exchange (`quality_data.first_exchange`: the system message if any, the first user turn and its
+    reply) of the first `n` conversations of a ShareGPT JSONL file that have one, as `dflash eval` prompts them."""
+    from quality_data import first_exchange
+
     written = 0
     with open(prompts, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
         for line in f:
-            conv = json.loads(line)["conversations"] if line.strip() else []
-            user = next((i for i, m in enumerate(conv) if m["from"] == "human"), None)
-            reply = next((i for i in range(user + 1, len(conv)) if conv[i]["from"] == "gpt"), None) \
-                if user is not None else None
-            if reply is None:
+            conv = first_exchange(json.loads(line))[0] if line.strip() else None
+            if conv is None:
                 continue
-            o.write(json.dumps({"conversations": [conv[user], conv[reply]]}, ensure_ascii=False) + "\n")
+            o.write(json.dumps({"conversations": conv}, ensure_ascii=False) + "\n")
             written += 1
             if written == n:
                 break
