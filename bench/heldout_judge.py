@@ -7,8 +7,8 @@ runs censored where the text leaves the target's choice (`tau_chain`, train/held
 does. This prints both for a store and a drafter, and with `--real` (a `dflash eval --json` record of the same
 drafter on the same prompts) the ratio of each to the real tau.
 
-    python bench/heldout_judge.py --store STORE --drafter DRAFTER_DIR [--new-tokens 256] [--real eval.json]
-        [--json out.json] [--device cpu|cuda]
+    python bench/heldout_judge.py --store STORE --drafter DRAFTER_DIR [--new-tokens 256] [--tree-budgets 64]
+        [--real chain.json tree64.json] [--json out.json] [--device cpu|cuda]
 
 Made for the store of the eval prompts' own original replies, so that the estimate and the real tau read the
 same questions: `python bench/heldout_judge.py first-exchanges prompts-chat.jsonl 80 first80.jsonl` writes the
@@ -51,6 +51,20 @@ def first_exchanges(prompts: str, n: int, out: str) -> int:
     return written
 
 
+def real_taus(paths: list[str]) -> dict[int, tuple[float, list | None]]:
+    """{budget: (real tau, acceptance rate per position)} from `dflash eval --json` records (0: the chain)."""
+    out: dict[int, tuple[float, list | None]] = {}
+    for path in paths:
+        rep = json.loads(Path(path).read_text())
+        for b, r in (rep.get("per_budget") or {str(rep.get("tree_budget", 0)): rep}).items():
+            out[int(b)] = (r["tau"], r.get("accept_rate_per_position"))
+    return out
+
+
+def _ratio(est: float | None, real: float) -> float | None:
+    return round(est / real, 3) if est and real else None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["first-exchanges"]:
@@ -64,26 +78,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=256, help="walk each reply's first N tokens, as "
                     "`dflash eval --max-new-tokens N` decodes (0: whole replies)")
     ap.add_argument("--rows", type=int, default=0, help="the store's first N samples (0: all)")
-    ap.add_argument("--real", default=None, help="`dflash eval --json` output of the same drafter")
+    ap.add_argument("--tree-budgets", default="", help="also the tree estimates at these budgets, e.g. 64 "
+                    "(`dflash eval --tree-budget N`'s trees, judged both ways)")
+    ap.add_argument("--real", nargs="*", default=[], help="`dflash eval --json` outputs of the same drafter on the "
+                    "same prompts: the chain's (budget 0) and/or trees' (--tree-budget N), matched by budget")
     ap.add_argument("--json", default=None, help="write the record here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
 
     from dflash_pipeline.store.reader import StoreReader
 
+    budgets = tuple(int(b) for b in a.tree_budgets.split(",") if b.strip())
     reader = StoreReader(a.store)
     rows = np.arange(reader.num_samples if a.rows <= 0 else min(a.rows, reader.num_samples))
     t = time.time()
     # gamma weighs only the loss, which this does not report: the taus and accuracies do not depend on it
     est = exported_heldout_estimate(Path(a.drafter), reader, rows, gamma=7.0, device=torch.device(a.device),
-                                    max_anchors=512, loss_chunk=0, new_tokens=a.new_tokens)
+                                    max_anchors=512, loss_chunk=0, new_tokens=a.new_tokens, tree_budgets=budgets)
     rec = {"store": a.store, "drafter": a.drafter, "samples": est["samples"], "seconds": round(time.time() - t, 1),
            **{k: est.get(k) for k in ("tau_chain", "tau_chain_text", "target_agreement", "accept_per_pos", "acc_per_pos")}}
-    if a.real:
-        real = json.loads(Path(a.real).read_text())
-        rec["real_tau"] = real["tau"]
-        rec["real_accept_per_pos"] = real.get("accept_rate_per_position")
-        rec["ratio"] = {k: round(rec[k] / real["tau"], 3) for k in ("tau_chain", "tau_chain_text") if rec.get(k)}
+    # per budget (0: the chain): the estimate judged against the target, and against the text
+    judged = {0: (est.get("tau_chain"), est.get("tau_chain_text"))}
+    for b in budgets:
+        rec[f"tau_tree_{b}"] = est.get(f"tau_tree_{b}")
+        judged[b] = (est.get(f"tau_tree_{b}"), est.get("text_tau_tree", {}).get(str(b)))
+    rec["text_tau_tree"] = est.get("text_tau_tree")
+    real = real_taus(a.real)
+    if real:
+        rec["real"] = {str(b): {"real_tau": t, "ratio_target_judged": _ratio(judged.get(b, (None,))[0], t),
+                                "ratio_text_judged": _ratio(judged.get(b, (None, None))[1], t)}
+                       for b, (t, _) in real.items()}
+        if 0 in real:
+            rec["real_accept_per_pos"] = real[0][1]
     text = json.dumps(rec, indent=1)
     print(text)
     if a.json:

@@ -250,7 +250,8 @@ def steady_state(intervals: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def exported_heldout_estimate(drafter_dir: Path, reader, rows, *, gamma: float, device: torch.device,
-                              max_anchors: int, loss_chunk: int, new_tokens: int = 0) -> dict[str, Any]:
+                              max_anchors: int, loss_chunk: int, new_tokens: int = 0,
+                              tree_budgets: tuple[int, ...] = ()) -> dict[str, Any]:
     """Our held-out estimate (greedy-chain tau, accuracy per slot) of an exported drafter, computed as
     `dflash train` computes it for its own drafters."""
     from dflash_pipeline.train.export import load_exported
@@ -264,7 +265,8 @@ def exported_heldout_estimate(drafter_dir: Path, reader, rows, *, gamma: float, 
     model.eval()
     frozen = frozen_tensors(reader, device, torch.bfloat16 if cuda else torch.float32)
     held = HeldoutSet(reader=reader, rows=rows, frozen=frozen, drafter=dcfg, gamma=gamma, max_anchors=max_anchors,
-                      loss_chunk=loss_chunk, device=device, autocast=cuda, new_tokens=new_tokens)
+                      loss_chunk=loss_chunk, device=device, autocast=cuda, new_tokens=new_tokens,
+                      tree_budgets=tuple(tree_budgets))
     return heldout_estimate(model, held)
 
 
