@@ -613,9 +613,12 @@ def part_variants(b: Bench, deadline: float | None) -> None:
 
 
 def part_curve(b: Bench, deadline: float | None) -> None:
-    b.require_stores("regen-bf16")
+    """The best recipe at other lengths (`curve` times --steps, each its own whole lr schedule), on the store the
+    recipes trained on, so that the recipes' run is the curve's point at 1.0."""
+    store = b.recipe_store
+    b.require_stores(store)
     best = require_best(b)
-    runs = [Run(f"{best}@steps{max(1, round(b.plan.steps * f))}", best, "regen-bf16", max(1, round(b.plan.steps * f)),
+    runs = [Run(f"{best}@steps{max(1, round(b.plan.steps * f))}", best, store, max(1, round(b.plan.steps * f)),
                 "curve") for f in b.plan.curve if f != 1.0]
     jobs = [b.train_job(r) for r in runs] + [j for r in runs for j in b.eval_jobs(r.name)]
     b.run_part("curve", jobs, deadline, {"best": best, "runs": [dataclasses.asdict(r) for r in runs]})
@@ -726,6 +729,8 @@ def main(argv: list[str] | None = None) -> None:
                     "steps is our side (default ce: SpecForge's loss; e.g. kl15-cap-noise-a64x4, the default)")
     ap.add_argument("--variant-stores", default="orig-bf16,regen-fp8",
                     help=f"comma list: the stores part `variants` trains the best recipe on, of {', '.join(VARIANT_TAGS)}")
+    ap.add_argument("--curve", default=None, metavar="F,F", help="override the plan's curve: the other training "
+                    "lengths of part `curve`, as multiples of --steps (e.g. 0.25,0.5)")
     ap.add_argument("--eval-trees", default=None, metavar="N,N", help="override the plan's eval_trees: tree budgets "
                     "the chat T=0 evals also verify, e.g. 16,64 (the chain, budget 0, is always measured)")
     ap.add_argument("--store-dir", default=None, metavar="DIR",
@@ -749,6 +754,14 @@ def main(argv: list[str] | None = None) -> None:
         if not budgets or min(budgets) < 1:
             ap.error(f"--eval-trees {a.eval_trees!r}: positive tree budgets separated by commas expected, e.g. 16,64")
         a.eval_trees = ",".join(str(x) for x in budgets)
+    if a.curve is not None:
+        try:
+            fractions = tuple(float(x) for x in a.curve.split(",") if x.strip())
+        except ValueError:
+            fractions = ()
+        if not fractions or min(fractions) <= 0:
+            ap.error(f"--curve {a.curve!r}: positive multiples of --steps separated by commas expected, e.g. 0.25,0.5")
+        a.curve = fractions
     plan = SMOKE if a.smoke else REAL
     plan = dataclasses.replace(plan, **{k: v for k, v in vars(a).items() if k in Plan.__dataclass_fields__ and v is not None})
     if "plan" in a.parts:

@@ -406,6 +406,48 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     assert "## Recipes on store regen-fp8, " in md
 
 
+def test_curve_trains_the_best_recipe_on_the_recipe_store_at_the_lengths_asked_for(tmp_path, monkeypatch):
+    """--curve 0.25,0.5 --best kl15-cap-noise-a64x4 --recipe-store regen-fp8: part `curve` trains that recipe at a
+    quarter and half of --steps, each its own schedule, on the store the recipes' run read, and evaluates both;
+    the summary's learning curve lists them with the recipes' run."""
+    import quality
+    from quality_summary import build_summary
+
+    ran: list = []
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+    parsed: dict = {}
+    monkeypatch.setattr(quality, "part_curve", lambda b, deadline: parsed.update(plan=b.plan))
+    quality.main(["curve", "--root", str(tmp_path / "parsed"), "--steps", "3000", "--curve", "0.25,0.5"])
+    assert parsed["plan"].curve == (0.25, 0.5) and parsed["plan"].steps == 3000
+    with pytest.raises(SystemExit):
+        quality.main(["curve", "--root", str(tmp_path / "parsed"), "--curve", "0,half"])
+    monkeypatch.undo()
+    monkeypatch.setattr(quality, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or {})
+
+    best = "kl15-cap-noise-a64x4"
+    b = quality.Bench(str(tmp_path), None, quality.dataclasses.replace(quality.SMOKE, steps=400, curve=(0.25, 0.5)),
+                      smoke=False)
+    (b.root / "stores" / "regen-fp8.json").write_text("{}")
+    b.best_override, b.recipe_store = best, "regen-fp8"
+    quality.part_curve(b, None)
+    train = {j.name: (j.cmd() if callable(j.cmd) else j.cmd) for j in ran if j.kind == "train"}
+    assert set(train) == {f"{best}@steps100", f"{best}@steps200"}
+    assert all(_opt(c, "--store") == [str(b.store("regen-fp8"))] for c in train.values())
+    assert _opt(train[f"{best}@steps100"], "--steps") == ["100"] and _opt(train[f"{best}@steps100"], "--max-anchors") == ["64"]
+    assert {j.name.split("__")[0] for j in ran if j.kind == "eval"} == set(train)
+
+    for name, steps, tau in ((best, 400, 3.1), (f"{best}@steps100", 100, 2.2), (f"{best}@steps200", 200, 2.7)):
+        d = b.run_dir(name)
+        (d / "final").mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"step": steps, "finished": True, "seconds": 9.0,
+                                                    "eval": {"tau_chain": tau - 0.1, "acc_per_pos": [0.8], "acc": 0.8}}))
+        (d / "config.json").write_text(json.dumps({"train": {"block_size": 16}, "store": {"url": str(b.store("regen-fp8"))}}))
+        b.eval_file(name, "chat", 0.0).write_text(json.dumps({"tau": tau, "lossless": True}))
+    md, rec = build_summary(b)
+    assert "## Learning curve" in md
+    assert set(rec["curve"]) == {best, f"{best}@steps100", f"{best}@steps200"}
+
+
 def test_specforge_side_by_side_against_a_recipe_on_the_recipe_store(tmp_path, monkeypatch):
     """--specforge-against kl15-cap-noise-a64x4 --recipe-store regen-fp8: SpecForge trains on that store at the
     recipe's 64 anchors over 4x the tokens, our speed run is that recipe on that store, the evals measure
