@@ -597,3 +597,20 @@ def test_store_dir_puts_the_stores_arrays_elsewhere_and_training_reads_them_ther
     quality.part_recipes(b, None)
     train = next(j for j in ran if j.kind == "train")
     assert _opt(train.cmd(), "--store") == [str(tmp_path / "shm" / "regen-bf16")]
+
+
+def test_heldout_judge_matches_eval_records_to_their_budgets(tmp_path):
+    """bench/heldout_judge.py --real: a chain record (budget 0), a one-budget tree record and a sweep's per-budget
+    records each give the real tau of their own budget, so a tree estimate is never set against a chain's tau."""
+    from heldout_judge import real_taus
+
+    chain = tmp_path / "chain.json"
+    chain.write_text(json.dumps({"tau": 2.05, "tree_budget": 0, "accept_rate_per_position": [0.6]}))
+    tree = tmp_path / "tree64.json"
+    tree.write_text(json.dumps({"tau": 3.12, "tree_budget": 64, "accept_rate_per_position": [0.7]}))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"tau": 2.0, "tree_budget": 0, "per_budget": {
+        "0": {"tau": 2.0, "accept_rate_per_position": [0.5]}, "16": {"tau": 2.6}}}))
+    assert real_taus([str(chain), str(tree)]) == {0: (2.05, [0.6]), 64: (3.12, [0.7])}
+    assert real_taus([str(sweep)]) == {0: (2.0, [0.5]), 16: (2.6, None)}
+    assert real_taus([str(tree), str(sweep)])[64] == (3.12, [0.7])
