@@ -105,9 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     rec["text_tau_tree"] = est.get("text_tau_tree")
     real = real_taus(a.real)
     if real:
-        rec["real"] = {str(b): {"real_tau": t, "ratio_target_judged": _ratio(judged.get(b, (None,))[0], t),
-                                "ratio_text_judged": _ratio(judged.get(b, (None, None))[1], t)}
-                       for b, (t, _) in real.items()}
+        rec["real"] = {}
+        for b, (t, _) in real.items():
+            target_judged, text_judged = judged.get(b, (None, None))   # no estimate at a budget not asked for
+            rec["real"][str(b)] = {"real_tau": t, "ratio_target_judged": _ratio(target_judged, t),
+                                   "ratio_text_judged": _ratio(text_judged, t)}
         if 0 in real:
             rec["real_accept_per_pos"] = real[0][1]
     text = json.dumps(rec, indent=1)

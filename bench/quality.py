@@ -701,6 +701,17 @@ def _names(text: str, known, flag: str) -> list[str]:
     return names
 
 
+def _positive(ap: argparse.ArgumentParser, flag: str, text: str, kind: type, what: str, example: str) -> tuple:
+    """A comma list of positive numbers of `kind`, or the parser's error naming the option."""
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) <= 0:
+        ap.error(f"{flag} {text!r}: {what} separated by commas expected, e.g. {example}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -747,21 +758,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the plan's {name}")
     a = ap.parse_args(argv)
     if a.eval_trees is not None:
-        try:
-            budgets = [int(x) for x in a.eval_trees.split(",") if x.strip()]
-        except ValueError:
-            budgets = [0]
-        if not budgets or min(budgets) < 1:
-            ap.error(f"--eval-trees {a.eval_trees!r}: positive tree budgets separated by commas expected, e.g. 16,64")
+        budgets = _positive(ap, "--eval-trees", a.eval_trees, int, "positive tree budgets", "16,64")
         a.eval_trees = ",".join(str(x) for x in budgets)
     if a.curve is not None:
-        try:
-            fractions = tuple(float(x) for x in a.curve.split(",") if x.strip())
-        except ValueError:
-            fractions = ()
-        if not fractions or min(fractions) <= 0:
-            ap.error(f"--curve {a.curve!r}: positive multiples of --steps separated by commas expected, e.g. 0.25,0.5")
-        a.curve = fractions
+        a.curve = _positive(ap, "--curve", a.curve, float, "positive multiples of --steps", "0.25,0.5")
     plan = SMOKE if a.smoke else REAL
     plan = dataclasses.replace(plan, **{k: v for k, v in vars(a).items() if k in Plan.__dataclass_fields__ and v is not None})
     if "plan" in a.parts:
