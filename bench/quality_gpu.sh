@@ -48,6 +48,9 @@
 # .m3 .qregen `setup` + `start data stores recipes` (extraction 122 s, then 3,000 64-anchor steps in 793 s,
 # start-up and the memory probe ~40 s), one `wait` (the alone speedup), `run recipes` (chat T=0 / T=1 and
 # code, 62 s in parallel): 1,143 s of device time for the whole schedule and its evals.
+# The bf16 store of the same 40,000 replies (49.5 GiB: alone on the disk), 1,500 steps (2026-12-07, H100): setup
+# x2, `start data stores recipes` (extraction 168 s, training 621 s with start-up), one `wait` (the evals at 80 x
+# 256: chat T=0 / T=1 189 / 210 s in parallel, then the alone speedup 107 s): ~1,010 s from setup to the last eval.
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
