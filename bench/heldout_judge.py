@@ -106,10 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     real = real_taus(a.real)
     if real:
         rec["real"] = {}
-        for b, (t, _) in real.items():
+        for b, (tau, _) in real.items():
             target_judged, text_judged = judged.get(b, (None, None))   # no estimate at a budget not asked for
-            rec["real"][str(b)] = {"real_tau": t, "ratio_target_judged": _ratio(target_judged, t),
-                                   "ratio_text_judged": _ratio(text_judged, t)}
+            rec["real"][str(b)] = {"real_tau": tau, "ratio_target_judged": _ratio(target_judged, tau),
+                                   "ratio_text_judged": _ratio(text_judged, tau)}
         if 0 in real:
             rec["real_accept_per_pos"] = real[0][1]
     text = json.dumps(rec, indent=1)
