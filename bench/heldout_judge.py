@@ -14,6 +14,9 @@ Made for the store of the eval prompts' own original replies, so that the estima
 same questions: `python bench/heldout_judge.py first-exchanges prompts-chat.jsonl 80 first80.jsonl` writes the
 first user turn and reply of the first 80 conversations (those `dflash eval --num-prompts 80` decodes from),
 then `dflash extract --data first80.jsonl --max-length 1024 --layers LAYERS` (the drafter's target layers).
+`python bench/heldout_judge.py unseen-exchanges 40000 400 unseen.jsonl` writes instead the 400 train-split
+exchanges after the 40,000 a `bench/quality.py --turns each --n 40000` drafter trained on: text of a training
+run's own kind that the drafter never saw, for `dflash train --init-from DRAFTER` to estimate in a run.
 """
 
 from __future__ import annotations
@@ -51,6 +54,23 @@ def first_exchanges(prompts: str, n: int, out: str) -> int:
     return written
 
 
+def unseen_exchanges(skip: int, n: int, out: str, max_prompt_tokens: int = 512) -> int:
+    """Exchanges `skip` .. `skip + n` of the embedded train split as `bench/quality.py --turns each --n SKIP` writes
+    them (`quality_data.write_first_exchanges`, the same order and filters): the replies a drafter trained on the
+    first `skip` never saw, for a held-out split of a training run's own kind (train-split text, not eval prompts)."""
+    from quality_data import write_first_exchanges
+
+    tmp = Path(out).with_suffix(".all.jsonl")
+    write_first_exchanges(tmp, None, skip + n, max_prompt_tokens, "each")
+    # by "\n" alone: replies hold characters str.splitlines() also breaks at (U+2028, U+0085, ...)
+    with open(tmp, encoding="utf-8", newline="\n") as f:
+        lines = list(f)
+    tmp.unlink()
+    with open(out, "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(lines[skip:])
+    return max(0, len(lines) - skip)
+
+
 def real_taus(paths: list[str]) -> dict[int, tuple[float, list | None]]:
     """{budget: (real tau, acceptance rate per position)} from `dflash eval --json` records (0: the chain)."""
     out: dict[int, tuple[float, list | None]] = {}
@@ -71,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
         if len(argv) != 4:
             raise SystemExit("usage: bench/heldout_judge.py first-exchanges PROMPTS.jsonl N OUT.jsonl")
         print(f"{first_exchanges(argv[1], int(argv[2]), argv[3])} conversations -> {argv[3]}")
+        return
+    if argv[:1] == ["unseen-exchanges"]:
+        if len(argv) != 4:
+            raise SystemExit("usage: bench/heldout_judge.py unseen-exchanges SKIP N OUT.jsonl")
+        print(f"{unseen_exchanges(int(argv[1]), int(argv[2]), argv[3])} conversations -> {argv[3]}")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", required=True)

@@ -186,6 +186,31 @@ def test_turns_each_writes_every_question_once(monkeypatch, tmp_path):
                                                              "first user turn longer than the cap": 1}
 
 
+def test_unseen_exchanges_are_the_ones_after_a_trained_set(monkeypatch, tmp_path):
+    """bench/heldout_judge.py unseen-exchanges SKIP N: exchanges SKIP.. of the same writer, in its order and filters
+    (so the first SKIP are exactly `--n SKIP`'s training conversations), and no scratch file left behind."""
+    import json
+
+    import heldout_judge
+    import quality_data
+
+    class Tok:
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [list(t) for t in texts]}
+
+    rows = [(i, {"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a\u2028b"}]})
+            for i in range(6)]   # a line separator inside a reply is not a row boundary
+    monkeypatch.setattr(quality_data, "iter_embedded_rows", lambda split: iter(rows))
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: Tok())
+    monkeypatch.setattr("dflash_pipeline.extract.target.resolve_target", lambda t: "tok")
+    out = tmp_path / "unseen.jsonl"
+    assert heldout_judge.unseen_exchanges(4, 3, str(out), max_prompt_tokens=64) == 2   # only 6 exist
+    written = [json.loads(line) for line in out.read_text(encoding="utf-8").split("\n") if line]
+    assert [r["id"] for r in written] == ["sharegpt-train-4-0", "sharegpt-train-5-0"]
+    assert written[0]["conversations"][1]["value"] == "a\u2028b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unseen.jsonl"]
+
+
 def _tiny_dcfg(layer_types, window=None) -> DrafterConfig:
     return DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=len(layer_types), num_heads=4,
                          num_kv_heads=2, head_dim=16, vocab_size=100, block_size=8, mask_token_id=99,
