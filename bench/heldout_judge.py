@@ -85,17 +85,25 @@ def _ratio(est: float | None, real: float) -> float | None:
     return round(est / real, 3) if est and real else None
 
 
+def _count(text: str, usage: str) -> int:
+    if not text.isdigit():
+        raise SystemExit(f"{text!r} is not a count (a whole number >= 0); usage: {usage}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["first-exchanges"]:
+        usage = "bench/heldout_judge.py first-exchanges PROMPTS.jsonl N OUT.jsonl"
         if len(argv) != 4:
-            raise SystemExit("usage: bench/heldout_judge.py first-exchanges PROMPTS.jsonl N OUT.jsonl")
-        print(f"{first_exchanges(argv[1], int(argv[2]), argv[3])} conversations -> {argv[3]}")
+            raise SystemExit(f"usage: {usage}")
+        print(f"{first_exchanges(argv[1], _count(argv[2], usage), argv[3])} conversations -> {argv[3]}")
         return
     if argv[:1] == ["unseen-exchanges"]:
+        usage = "bench/heldout_judge.py unseen-exchanges SKIP N OUT.jsonl"
         if len(argv) != 4:
-            raise SystemExit("usage: bench/heldout_judge.py unseen-exchanges SKIP N OUT.jsonl")
-        print(f"{unseen_exchanges(int(argv[1]), int(argv[2]), argv[3])} conversations -> {argv[3]}")
+            raise SystemExit(f"usage: {usage}")
+        print(f"{unseen_exchanges(_count(argv[1], usage), _count(argv[2], usage), argv[3])} conversations -> {argv[3]}")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", required=True)

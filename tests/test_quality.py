@@ -209,6 +209,8 @@ def test_unseen_exchanges_are_the_ones_after_a_trained_set(monkeypatch, tmp_path
     assert [r["id"] for r in written] == ["sharegpt-train-4-0", "sharegpt-train-5-0"]
     assert written[0]["conversations"][1]["value"] == "a\u2028b"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unseen.jsonl"]
+    with pytest.raises(SystemExit, match="'4k' is not a count"):
+        heldout_judge.main(["unseen-exchanges", "4k", "3", str(out)])
 
 
 def _tiny_dcfg(layer_types, window=None) -> DrafterConfig:
