@@ -51,6 +51,9 @@
 # The bf16 store of the same 40,000 replies (49.5 GiB: alone on the disk), 1,500 steps (2026-12-07, H100): setup
 # x2, `start data stores recipes` (extraction 168 s, training 621 s with start-up), one `wait` (the evals at 80 x
 # 256: chat T=0 / T=1 189 / 210 s in parallel, then the alone speedup 107 s): ~1,010 s from setup to the last eval.
+# The original replies from scratch, 1,500 steps, `--eval-every 300` (2026-12-07, H100): setup x2, with .m3 `start
+# stores variants` (fp8 extraction 113 s, training 603 s with five estimates of ~35 s each), `wait` twice (chat T=0 /
+# T=1 215 / 213 s in parallel, code 36 s): ~950 s of device time from setup to the last eval.
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
