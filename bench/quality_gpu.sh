@@ -199,8 +199,10 @@ start)
   fi
   assemble_target || exit 1
   rm -rf $keep/src $keep/detached.rc && mkdir -p $keep/src $root && cp -r bench dflash_pipeline tests pyproject.toml $keep/src/ || exit 1
-  (cd $keep/src && env -u OUT DETACHED=1 DEADLINE="${DEADLINE:-1000000}" setsid bash bench/quality_gpu.sh run "$@" \
-    < /dev/null > $keep/detached.log 2>&1 &)
+  # the redirections on the whole group: redirected on the last command alone, the subshell that waits for it
+  # kept this call's stdout open for the whole run, so `start ... | tail` waited to the call's limit (2026-12-07)
+  (cd $keep/src && env -u OUT DETACHED=1 DEADLINE="${DEADLINE:-1000000}" setsid bash bench/quality_gpu.sh run "$@") \
+    < /dev/null > $keep/detached.log 2>&1 &
   echo "started detached: $*"
   ;&
 wait)
