@@ -71,7 +71,7 @@ set -uo pipefail
 cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...|start PART...|wait}
 shift
 py=${PYTHON:-python3}
-keep=/tmp/keep
+keep=${KEEP:-/tmp/keep}   # KEEP: another folder, e.g. for the script's own test
 root=$keep/q
 gguf=$keep/smollm2.gguf
 md5=a1231443440b107ff29f02bdb38c9d0a

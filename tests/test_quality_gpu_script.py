@@ -1,0 +1,44 @@
+"""bench/quality_gpu.sh's detached start: the call returns while the parts run on."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="setsid and the script's shell tools")
+def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path):
+    # A stand-in for python: the parts' `bench/quality.py` runs for 30 s, so a call that waits for them (or for
+    # a process still holding its stdout) takes 30 s; `start` with WAIT=1 must come back in a few.
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "smollm2.gguf").write_bytes(b"a target")  # assembled already: start skips the parts
+    marker = tmp_path / "parts-ran"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\nsleep 30\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(KEEP=str(keep), PYTHON=str(fake), WAIT="1")
+    t0 = time.monotonic()
+    # `| cat`: the pipe's reader ends only once every process holding the pipe has closed it
+    out = subprocess.run(["bash", "-c", "bash bench/quality_gpu.sh start recipes | cat"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    pid = (keep / "detached.pid").read_text().strip() if (keep / "detached.pid").exists() else None
+    try:
+        assert "started detached: recipes" in out.stdout, out.stdout + out.stderr
+        assert "detached parts still running" in out.stdout, out.stdout
+        assert took < 20, f"start held the call for {took:.0f} s"
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the detached parts never ran"
+    finally:
+        if pid:
+            subprocess.run(["pkill", "-TERM", "-s", pid], check=False)
