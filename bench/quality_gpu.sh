@@ -59,6 +59,7 @@
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
 #      `cat drafter-part-* > model.safetensors`, `dflash eval --drafter DIR --target smollm2.gguf --prompts
 #      prompts-chat.jsonl --num-prompts 24 --max-new-tokens 192 --dtype fp32` measures its real tau on the CPU),
+#      KEEP (the folder that outlives a call, default /tmp/keep),
 #      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke), BG_PARTS (bench/gpu_all.sh parts that `run` starts beside
@@ -71,7 +72,7 @@ set -uo pipefail
 cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...|start PART...|wait}
 shift
 py=${PYTHON:-python3}
-keep=${KEEP:-/tmp/keep}   # KEEP: another folder, e.g. for the script's own test
+keep=${KEEP:-/tmp/keep}
 root=$keep/q
 gguf=$keep/smollm2.gguf
 md5=a1231443440b107ff29f02bdb38c9d0a

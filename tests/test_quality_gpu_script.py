@@ -18,7 +18,7 @@ def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path
     # a process still holding its stdout) takes 30 s; `start` with WAIT=1 must come back in a few.
     keep = tmp_path / "keep"
     keep.mkdir()
-    (keep / "smollm2.gguf").write_bytes(b"a target")  # assembled already: start skips the parts
+    (keep / "smollm2.gguf").write_bytes(b"a target")  # the target assembled already: nothing to carry
     marker = tmp_path / "parts-ran"
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\ntouch {marker}\nsleep 30\n")
@@ -30,7 +30,6 @@ def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path
     out = subprocess.run(["bash", "-c", "bash bench/quality_gpu.sh start recipes | cat"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
-    pid = (keep / "detached.pid").read_text().strip() if (keep / "detached.pid").exists() else None
     try:
         assert "started detached: recipes" in out.stdout, out.stdout + out.stderr
         assert "detached parts still running" in out.stdout, out.stdout
@@ -39,6 +38,7 @@ def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marker.exists(), "the detached parts never ran"
-    finally:
-        if pid:
-            subprocess.run(["pkill", "-TERM", "-s", pid], check=False)
+    finally:  # read here, not before the asserts: the detached run writes its pid once it has started
+        pid_file = keep / "detached.pid"
+        if pid_file.exists():
+            subprocess.run(["pkill", "-TERM", "-s", pid_file.read_text().strip()], check=False)
