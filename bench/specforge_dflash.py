@@ -132,6 +132,18 @@ def unpack_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return gather(batch.tokens), gather(batch.features), gather(batch.loss_mask).to(torch.float32)
 
 
+def objective_chunk_blocks(n_samples: int, block_size: int, vocab: int, budget_bytes: float,
+                           default: int = 128) -> int:
+    """SpecForge's `objective_chunk_blocks` for a batch of `n_samples` sequences: the most anchors per chunk
+    whose bf16 logits (samples x anchors x block x vocab) stay within `budget_bytes` (at least one), and never
+    more than SpecForge's own default. Its loss computes one chunk of anchors across every sequence of the
+    batch at a time, checkpointed: with SpecForge's 128 at 64 anchors, a 49,152-token batch of ~140 samples
+    is one chunk of ~14 GB of logits, and its backward asked for 13-16 GiB more on an 80 GB GPU (2026-12-07).
+    Chunking changes neither the loss nor the anchors drawn: only how much of the head's output exists at once."""
+    per_anchor = max(1, n_samples) * block_size * vocab * 2
+    return max(1, min(default, int(budget_bytes // per_anchor)))
+
+
 def frozen_modules(frozen, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The target's embedding and LM head as the frozen modules `OnlineDFlashModel` takes."""
     if frozen.embed_scale != 1.0:
@@ -148,11 +160,14 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
                     num_layers: int = 5, lr: float = 6e-4, warmup_ratio: float = 0.04, grad_clip: float = 1.0,
                     eval_fraction: float = 0.02, eval_max_samples: int = 256, seed: int = 0, num_workers: int = 2,
                     log_every: int = 10, device: str = "auto", sliding_window: int | None = None,
-                    swa_layers: list[int] | None = None, progress=None) -> dict[str, Any]:
+                    swa_layers: list[int] | None = None, logits_budget_gib: float = 2.0,
+                    progress=None) -> dict[str, Any]:
     """Train SpecForge's DFlash drafter on `store` for `steps`; export it to OUT/final; OUT/summary.json.
 
     The summary has the shape of `dflash train`'s (`eval` from our held-out evaluation of the exported
     drafter, `final`), plus steady-state step time and tokens/s measured like the trainer's log.
+    `logits_budget_gib` bounds the LM head's output per chunk of SpecForge's loss (its own
+    `objective_chunk_blocks`, set per batch by `objective_chunk_blocks`).
     """
     from dflash_pipeline.progress import JsonlLog, LiveLine
     from dflash_pipeline.schemas.config import TrainConfig
@@ -194,12 +209,16 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
              f"{max_anchors} anchors per sample, {steps} steps of {tokens_per_batch} tokens on {dev}")
     metrics = JsonlLog(out / "metrics.jsonl")
     torch.manual_seed(seed)  # its anchors come from the global generator
+    budget = logits_budget_gib * 2**30
+    chunks_used: set[int] = set()
     t_run = time.time()
     intervals, t_log, tokens, loss_sum, acc_sum, k = [], time.time(), 0, 0.0, 0.0, 0
     step = 0
     try:
         for _, batch in loader.iter_from(0):
             ids_nT, hidden_nTF, mask_nT = unpack_rows(batch)
+            model.objective_chunk_blocks = objective_chunk_blocks(ids_nT.shape[0], block_size, dcfg.vocab_size, budget)
+            chunks_used.add(model.objective_chunk_blocks)
             loss, acc, _ = model(input_ids=ids_nT, hidden_states=hidden_nTF.to(dtype), loss_mask=mask_nT)
             loss.backward()
             opt.step()
@@ -231,6 +250,9 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     summary = {"step": step, "steps_total": steps, "finished": step >= steps, "seconds": seconds,
                "final": str(final), "eval": res, "trainer": f"specforge {SPECFORGE_VERSION}",
                "steady": steady_state(intervals), "gamma": gamma,
+               "objective_chunk_blocks": {"min": min(chunks_used, default=None),
+                                          "max": max(chunks_used, default=None),
+                                          "logits_budget_gib": logits_budget_gib},
                "differences": {"weights": "bf16 with fp32 masters (BF16Optimizer)", "adam_betas": [0.9, 0.999],
                                "init": "Qwen3 _init_weights", "anchors": "drawn on the device"}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -279,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, typ in (("block-size", int), ("gamma", float), ("max-anchors", int), ("tokens-per-batch", int),
                       ("max-length", int), ("num-layers", int), ("lr", float), ("warmup-ratio", float),
                       ("grad-clip", float), ("eval-fraction", float), ("seed", int), ("num-workers", int),
-                      ("log-every", int), ("sliding-window", int)):
+                      ("log-every", int), ("sliding-window", int), ("logits-budget-gib", float)):
         p.add_argument(f"--{name}", type=typ, default=None)
     p.add_argument("--swa-layers", type=int_list, default=None, help="comma-separated layer ids, e.g. 0,1,2,3")
     p.add_argument("--device", default="auto")

@@ -261,6 +261,69 @@ def test_converted_specforge_drafter_drafts_the_same_tokens(tmp_path, layer_type
     torch.testing.assert_close(got16, want, atol=0.1, rtol=0.05)
 
 
+def test_specforge_loss_chunks_fit_the_logits_budget():
+    """The default recipe's batch on SmolLM2 (~140 samples of 64 anchors x 16, vocab 49,152) in one chunk of
+    SpecForge's loss is ~14 GB of bf16 logits; under a 2 GiB budget it is 9 anchors a chunk."""
+    from specforge_dflash import objective_chunk_blocks
+
+    V, B = 49152, 16
+    assert objective_chunk_blocks(140, B, V, 2 * 2**30) == 9
+    assert 140 * 9 * B * V * 2 <= 2 * 2**30 < 140 * 10 * B * V * 2
+    assert objective_chunk_blocks(1, 4, 100, 2 * 2**30) == 128      # never above SpecForge's own default
+    assert objective_chunk_blocks(10_000, B, V, 2 * 2**30) == 1     # at least one anchor
+    assert objective_chunk_blocks(0, B, V, 1e9) >= 1
+
+
+@needs_specforge
+def test_specforge_loss_and_gradients_do_not_depend_on_the_chunking():
+    """Setting `objective_chunk_blocks` on the built model per batch (what the adaptor does) reaches SpecForge's
+    loss, and its chunked, checkpointed loss gives the unchunked loss and gradients with the same anchors."""
+    import specforge.algorithms.common.dflash_family_model as dfm
+    from specforge_dflash import build_draft, import_specforge
+
+    _, OnlineDFlashModel, _ = import_specforge()
+    dcfg = _tiny_dcfg(["full_attention"] * 2, None)
+    g = torch.Generator().manual_seed(0)
+    V, H = dcfg.vocab_size, dcfg.hidden_size
+    embed = torch.nn.Embedding(V, H, _weight=torch.randn(V, H, generator=g), _freeze=True)
+    head = torch.nn.Linear(H, V, bias=False)
+    head.weight = torch.nn.Parameter(torch.randn(V, H, generator=g), requires_grad=False)
+    model = OnlineDFlashModel(build_draft(dcfg, "eager").float(), head, embed, dcfg.mask_token_id,
+                              block_size=dcfg.block_size, attention_backend="sdpa", num_anchors=6,
+                              loss_decay_gamma=3.0).float()
+    n, T = 3, 24
+    ids = torch.randint(0, V, (n, T), generator=g)
+    hidden = torch.randn(n, T, len(dcfg.target_layer_ids) * H, generator=g)
+    mask = (torch.rand(n, T, generator=g) > 0.2).float()
+    seen, real = [], dfm.checkpointed_chunk_reduce
+
+    def spy(*a, chunk_size, **kw):
+        seen.append(chunk_size)
+        return real(*a, chunk_size=chunk_size, **kw)
+
+    dfm.checkpointed_chunk_reduce = spy
+    try:
+        results = []
+        for chunk in (0, 1, 4):
+            model.objective_chunk_blocks = chunk
+            model.zero_grad()
+            torch.manual_seed(7)  # the same anchors each time
+            loss, acc, _ = model(input_ids=ids, hidden_states=hidden, loss_mask=mask)
+            loss.backward()
+            results.append((loss.detach(), acc.detach(), [p.grad.clone() for p in model.draft_model.parameters()
+                                                           if p.grad is not None]))
+    finally:
+        dfm.checkpointed_chunk_reduce = real
+    assert seen == [0, 1, 4]
+    loss0, acc0, grads0 = results[0]
+    assert grads0
+    for loss, acc, grads in results[1:]:
+        torch.testing.assert_close(loss, loss0, atol=1e-5, rtol=1e-5)
+        assert torch.equal(acc, acc0)
+        for a, b in zip(grads, grads0):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 @needs_specforge
 def test_specforge_trains_on_our_store_and_exports(tiny, tmp_path):
     from specforge_dflash import train_specforge
@@ -271,8 +334,9 @@ def test_specforge_trains_on_our_store_and_exports(tiny, tmp_path):
     out = tmp_path / "sf"
     s = train_specforge(store=tiny["store"], out=out, steps=4, num_layers=1, block_size=4, gamma=3.0, max_anchors=8,
                         tokens_per_batch=256, max_length=128, eval_fraction=0.1, num_workers=0, device="cpu",
-                        log_every=2, lr=3e-3, progress=LiveLine(enabled=False))
+                        log_every=2, lr=3e-3, logits_budget_gib=1e-6, progress=LiveLine(enabled=False))
     assert s["finished"] and s["step"] == 4
+    assert s["objective_chunk_blocks"]["max"] == 1  # a budget below one anchor's logits: one anchor a chunk
     logs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logs if r["type"] == "train")
     assert 1.0 <= s["eval"]["tau_chain"] <= 4.0 and s["eval"]["samples"] > 0
