@@ -231,10 +231,14 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
                 now = time.time()  # the float() above waited for the device: the interval is complete
                 rec["input_tok_s"] = tokens / (now - t_log)
                 rec["step_s"] = (now - t_log) / k
+                rec["objective_chunk_blocks"] = model.objective_chunk_blocks
+                if cuda:
+                    rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
                 intervals.append(rec)
                 metrics.write(rec)
                 line.update(f"specforge step {step}/{steps} loss {rec['loss']:.3f} acc {rec['acc']:.3f} "
-                            f"{rec['input_tok_s'] / 1e3:.1f}K tok/s", force=True)
+                            f"{rec['input_tok_s'] / 1e3:.1f}K tok/s"
+                            + (f" mem {rec['peak_mem_gb']:.1f}G" if cuda else ""), force=True)
                 t_log, tokens, loss_sum, acc_sum, k = now, 0, 0.0, 0.0, 0
             if step >= steps:
                 break
@@ -250,6 +254,7 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     summary = {"step": step, "steps_total": steps, "finished": step >= steps, "seconds": seconds,
                "final": str(final), "eval": res, "trainer": f"specforge {SPECFORGE_VERSION}",
                "steady": steady_state(intervals), "gamma": gamma,
+               "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if cuda else None,
                "objective_chunk_blocks": {"min": min(chunks_used, default=None),
                                           "max": max(chunks_used, default=None),
                                           "logits_budget_gib": logits_budget_gib},
