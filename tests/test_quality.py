@@ -6,6 +6,7 @@ drafts what SpecForge's own model drafts, and its trainer runs on our store."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -322,6 +323,18 @@ def test_specforge_loss_and_gradients_do_not_depend_on_the_chunking():
         assert torch.equal(acc, acc0)
         for a, b in zip(grads, grads0):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@needs_specforge
+def test_specforge_memory_bench_measures_each_chunk_and_the_budgets(tmp_path):
+    import specforge_memory
+
+    specforge_memory.main(["--smoke", "--json", str(tmp_path / "m.json")])
+    out = json.loads((tmp_path / "m.json").read_text())
+    assert [r["chunk"] for r in out["results"]] == [128, 2, out["budget_chunk"]] and out["budget_chunk"] == 3
+    assert out["longest"] == 48 and out["samples"] == 4
+    assert all(not r["oom"] and math.isfinite(r["loss"]) and r["step_s"] > 0 for r in out["results"])
+    assert all("step_vs_one_chunk" in r for r in out["results"][1:])
 
 
 @needs_specforge
