@@ -54,6 +54,10 @@
 # The original replies from scratch, 1,500 steps, `--eval-every 300` (2026-12-07, H100): setup x2, with .m3 `start
 # stores variants` (fp8 extraction 113 s, training 603 s with five estimates of ~35 s each), `wait` twice (chat T=0 /
 # T=1 215 / 213 s in parallel, code 36 s): ~950 s of device time from setup to the last eval.
+# SpecForge against the default recipe (2026-12-07, H100): setup x2, with .m3 .qregen `start data stores specforge`
+# (fp8 extraction 173 s; SpecForge's steps 0.307 s at 49,152 tokens, ~460 s for 1,500; our 120-step speed run
+# 185 s with start-up; its evals ~4 minutes more): budget ~1,300 s from setup. That run ran out of GPU memory
+# in SpecForge's loss, since bounded by bench/specforge_dflash.py's --logits-budget-gib (bench/specforge_memory.py).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
