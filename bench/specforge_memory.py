@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -82,7 +83,8 @@ def measure(model, opt, batch, chunk: int, steps: int, device) -> dict:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t)
     except torch.OutOfMemoryError as e:
-        first = str(e).split(". ")[0]
+        asked = re.search(r"Tried to allocate [0-9.]+ [KMG]iB", str(e))
+        first = asked.group(0) if asked else str(e).split(". ")[0]
         model.zero_grad(set_to_none=True)
         return {"chunk": chunk, "oom": True, "error": first, "steps_done": len(times),
                 "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None}
