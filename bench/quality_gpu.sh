@@ -26,6 +26,8 @@
 # goes back): call 3 `bash bench/quality_gpu.sh start data stores recipes` starts the parts and waits up to
 # WAIT (540) s; every later call `bash bench/quality_gpu.sh wait` waits again, prints what the parts wrote and
 # packs $OUT. One process then trains a whole schedule: no resume costs its start-up and compilation again.
+# `bash bench/quality_gpu.sh stop` ends them (SIGTERM to their session: trainings checkpoint), so that `start` can
+# begin again, e.g. after a part failed and the next needs other settings.
 # Once part `data` has finished, the next call returns the regenerated conversations once, in 15 MiB parts
 # ($OUT/regen-data/regen-data.tgz.part-*: files come back at most 16 MiB each; 40,000 replies are ~26 MB).
 # Copied into .qregen/ here, a later session's setup restores them and part `data` skips the generation
@@ -73,7 +75,7 @@
 #      back per call, default 8: the log and results first, then a drafter, the regenerated data, summary.md;
 #      what finds no room comes with the next call)
 set -uo pipefail
-cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...|start PART...|wait}
+cmd=${1:?usage: bench/quality_gpu.sh prep|smoke|setup|run PART...|start PART...|wait|stop}
 shift
 py=${PYTHON:-python3}
 keep=${KEEP:-/tmp/keep}
@@ -262,5 +264,19 @@ run)
   df -h /tmp | tail -1
   [ -n "${DETACHED:-}" ] && echo $rc > $keep/detached.rc
   exit $rc ;;
+stop)
+  # Stops the detached parts (their whole session: trainings get SIGTERM and write their checkpoints, evals
+  # end), waits up to STOP_GRACE (30) s before SIGKILL, and marks them ended, so that `start` may run again
+  # (e.g. with other Q_ARGS or environment after a part failed). Their results stay under $root.
+  if [ ! -f $keep/detached.pid ] || [ -f $keep/detached.rc ] || ! kill -0 "$(cat $keep/detached.pid)" 2>/dev/null; then
+    echo "stop: no detached parts running"; exit 0
+  fi
+  sid=$(cat $keep/detached.pid)
+  pkill -TERM -s "$sid"
+  t0=$SECONDS
+  while pgrep -s "$sid" > /dev/null && [ $((SECONDS - t0)) -lt "${STOP_GRACE:-30}" ]; do sleep 1; done
+  pgrep -s "$sid" > /dev/null && { pkill -KILL -s "$sid"; echo "stop: killed what outlived ${STOP_GRACE:-30} s"; }
+  echo 143 > $keep/detached.rc
+  echo "stopped the detached parts (session $sid) after $((SECONDS - t0)) s" ;;
 *) echo "unknown command $cmd"; exit 2 ;;
 esac

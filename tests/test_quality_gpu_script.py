@@ -1,4 +1,4 @@
-"""bench/quality_gpu.sh's detached start: the call returns while the parts run on."""
+"""bench/quality_gpu.sh's detached start: the call returns while the parts run on; `stop` ends them."""
 from __future__ import annotations
 
 import os
@@ -39,6 +39,47 @@ def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path
             time.sleep(0.2)
         assert marker.exists(), "the detached parts never ran"
     finally:  # read here, not before the asserts: the detached run writes its pid once it has started
+        pid_file = keep / "detached.pid"
+        if pid_file.exists():
+            subprocess.run(["pkill", "-TERM", "-s", pid_file.read_text().strip()], check=False)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="setsid and the script's shell tools")
+def test_stop_ends_the_detached_parts_so_that_start_runs_again(tmp_path):
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "smollm2.gguf").write_bytes(b"a target")
+    runs = tmp_path / "runs"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho run >> {runs}\nsleep 60\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(KEEP=str(keep), PYTHON=str(fake), WAIT="1")
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "bench/quality_gpu.sh", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=90)
+
+    def wait_for_runs(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while (not runs.exists() or len(runs.read_text().split()) < n) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert runs.exists() and len(runs.read_text().split()) == n
+
+    try:
+        assert "started detached" in script("start", "recipes").stdout
+        wait_for_runs(1)
+        assert "already running" in script("start", "recipes").stdout  # refused while they run
+        sid = (keep / "detached.pid").read_text().strip()
+        t0 = time.monotonic()
+        out = script("stop")
+        assert "stopped the detached parts" in out.stdout, out.stdout + out.stderr
+        assert time.monotonic() - t0 < 20
+        assert subprocess.run(["pgrep", "-s", sid], capture_output=True).returncode == 1  # nothing left
+        assert "no detached parts running" in script("stop").stdout
+        assert "started detached" in script("start", "recipes").stdout  # and may start again
+        wait_for_runs(2)
+    finally:
         pid_file = keep / "detached.pid"
         if pid_file.exists():
             subprocess.run(["pkill", "-TERM", "-s", pid_file.read_text().strip()], check=False)
