@@ -12,19 +12,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _stand_in(tmp_path: Path, body: str) -> tuple[Path, dict]:
+    """(KEEP folder, environment) for the script with the target assembled already (nothing to carry) and a
+    stand-in for python that runs `body` (sh) as the parts' `bench/quality.py`; `wait` gives up after 1 s."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "smollm2.gguf").write_bytes(b"a target")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n{body}\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(KEEP=str(keep), PYTHON=str(fake), WAIT="1")
+    return keep, env
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="setsid and the script's shell tools")
 def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path):
     # A stand-in for python: the parts' `bench/quality.py` runs for 30 s, so a call that waits for them (or for
     # a process still holding its stdout) takes 30 s; `start` with WAIT=1 must come back in a few.
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    (keep / "smollm2.gguf").write_bytes(b"a target")  # the target assembled already: nothing to carry
     marker = tmp_path / "parts-ran"
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\ntouch {marker}\nsleep 30\n")
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env.update(KEEP=str(keep), PYTHON=str(fake), WAIT="1")
+    keep, env = _stand_in(tmp_path, f"touch {marker}\nsleep 30")
     t0 = time.monotonic()
     # `| cat`: the pipe's reader ends only once every process holding the pipe has closed it
     out = subprocess.run(["bash", "-c", "bash bench/quality_gpu.sh start recipes | cat"], cwd=REPO, env=env,
@@ -46,15 +53,8 @@ def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path
 
 @pytest.mark.skipif(sys.platform != "linux", reason="setsid and the script's shell tools")
 def test_stop_ends_the_detached_parts_so_that_start_runs_again(tmp_path):
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    (keep / "smollm2.gguf").write_bytes(b"a target")
     runs = tmp_path / "runs"
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\necho run >> {runs}\nsleep 60\n")
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env.update(KEEP=str(keep), PYTHON=str(fake), WAIT="1")
+    keep, env = _stand_in(tmp_path, f"echo run >> {runs}\nsleep 60")
 
     def script(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "bench/quality_gpu.sh", *args], cwd=REPO, env=env, capture_output=True,
