@@ -41,6 +41,12 @@ def train_speed(run_dir: Path) -> float | None:
     return tok[len(tok) // 2] if tok else None
 
 
+def train_peak_gb(run_dir: Path) -> float | None:
+    """The largest GPU memory peak a run's logged intervals report (both trainers log `peak_mem_gb` on CUDA)."""
+    peaks = [r["peak_mem_gb"] for r in metrics(run_dir, "train") if r.get("peak_mem_gb") is not None]
+    return max(peaks) if peaks else None
+
+
 def run_row(b, name: str) -> dict[str, Any]:
     """Everything the tables show about one trained drafter."""
     from quality import read_eval, run_summary
@@ -270,24 +276,30 @@ def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
     ours_speed = train_speed(b.run_dir(speed_name))
     sf_speed = (sf.get("steady") or {}).get("input_tok_s")
     shape, store = part.get("shape") or {}, part.get("store", "regen-bf16")
+    ours_peak, sf_peak = train_peak_gb(b.run_dir(speed_name)), sf.get("peak_mem_gb") or train_peak_gb(sf_dir)
     rows = [[f"ours (`dflash train`, recipe {recipe})", _f(ours.get("steps"), ","), _f(ours.get("tau_est")),
              _f(ours.get("tau_chat_T0")), _f(ours.get("tau_chat_T1")), _f(ours.get("tau_code_T0")),
-             _f(ours_speed, ",.0f")],
+             _f(ours_speed, ",.0f"), _f(ours_peak, ".1f")],
             ["SpecForge 0.2 (OnlineDFlashModel)", _f(theirs.get("steps"), ","), _f(theirs.get("tau_est")),
              _f(theirs.get("tau_chat_T0")), _f(theirs.get("tau_chat_T1")), _f(theirs.get("tau_code_T0")),
-             _f(sf_speed, ",.0f")]]
+             _f(sf_speed, ",.0f"), _f(sf_peak, ".1f")]]
+    chunks = sf.get("objective_chunk_blocks") or {}
     ratio = ours_speed / sf_speed if ours_speed and sf_speed else None
     rec["specforge"] = {"compared_with": recipe, "store": store, "shape": shape,
                         "ours": ours, "specforge": theirs, "ours_tok_s_alone": ours_speed, "specforge_tok_s_alone": sf_speed,
-                        "speed_ratio": ratio, "differences": sf.get("differences")}
+                        "speed_ratio": ratio, "differences": sf.get("differences"),
+                        "peak_mem_gb": {"ours": ours_peak, "specforge": sf_peak}, "specforge_loss_chunks": chunks}
     loss = "CE + decay on both sides" if recipe == "ce" else f"SpecForge's CE + decay against recipe {recipe}"
     anchors = f", {shape['max_anchors']} anchors a sample over {shape['tokens_per_batch']:,} tokens" if shape else ""
     return [f"## Side by side with SpecForge (store {store}, same batches, steps, lr schedule, "
             f"block 16{anchors}; {loss})",
             _table(["trainer", "steps", "held-out tau (est.)", "real tau chat T=0", "real tau chat T=1",
-                    "real tau code T=0", "input tok/s, alone"], rows),
+                    "real tau code T=0", "input tok/s, alone", "peak GB"], rows),
             f"Our steps are {_f(ratio)}x SpecForge's speed (steady state, each alone on the GPU). SpecForge "
-            f"keeps its own optimizer details: {sf.get('differences')}.", ""]
+            f"keeps its own optimizer details: {sf.get('differences')}."
+            + (f" Its loss ran in chunks of {chunks['min']}-{chunks['max']} anchors (a {chunks['logits_budget_gib']} "
+               "GiB logits budget; its default, one chunk of 128, ran an 80 GB GPU out of memory at the default "
+               "recipe's batch)." if chunks.get("max") else ""), ""]
 
 
 def _online_section(b, rec: dict[str, Any]) -> list[str]:

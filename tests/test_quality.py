@@ -578,13 +578,22 @@ def test_specforge_side_by_side_against_a_recipe_on_the_recipe_store(tmp_path, m
     for name, est, tau in (("kl15-cap-noise-a64x4", 2.9, 3.1), ("specforge-kl15-cap-noise-a64x4", 2.5, 2.7)):
         d = b.run_dir(name)
         (d / "final").mkdir(parents=True)
-        (d / "summary.json").write_text(json.dumps({"step": 4, "finished": True, "seconds": 9.0,
+        extra = {"peak_mem_gb": 48.0, "objective_chunk_blocks": {"min": 7, "max": 9, "logits_budget_gib": 2.0},
+                 "steady": {"input_tok_s": 150000.0}} if name.startswith("specforge") else {}
+        (d / "summary.json").write_text(json.dumps({"step": 4, "finished": True, "seconds": 9.0, **extra,
                                                     "eval": {"tau_chain": est, "acc_per_pos": [0.8], "acc": 0.8}}))
         (d / "config.json").write_text(json.dumps({"train": {"block_size": 16}, "store": {"url": str(b.store("regen-fp8"))}}))
         b.eval_file(name, "chat", 0.0).write_text(json.dumps({"tau": tau, "lossless": True}))
+    speed_dir = b.run_dir("speed-kl15-cap-noise-a64x4")
+    speed_dir.mkdir(parents=True, exist_ok=True)
+    (speed_dir / "metrics.jsonl").write_text("\n".join(json.dumps({"type": "train", "input_tok_s": t, "peak_mem_gb": m})
+                                                       for t, m in ((9e3, 20.1), (195e3, 26.7), (190e3, 26.5))))
     md, rec = build_summary(b)
     assert "## Side by side with SpecForge (store regen-fp8, same batches, steps, lr schedule, block 16, 64 anchors" in md
     assert "| ours (`dflash train`, recipe kl15-cap-noise-a64x4) |" in md
+    assert rec["specforge"]["peak_mem_gb"] == {"ours": 26.7, "specforge": 48.0}
+    assert rec["specforge"]["speed_ratio"] == pytest.approx(195e3 / 150e3)  # the upper median after the first interval
+    assert "| 26.7 |" in md and "| 48.0 |" in md and "chunks of 7-9 anchors (a 2.0 GiB logits budget" in md
     goals = {g["goal"]: g for g in rec["goals"]}
     assert goals["ours (kl15-cap-noise-a64x4) tau >= SpecForge's (T=0 chat)"]["met"]
 
