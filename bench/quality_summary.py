@@ -262,6 +262,10 @@ def _runs_like(b, prefix: str) -> list[str]:
     return [p.name for p in (b.root / "runs").glob(f"{prefix}*") if (p / "summary.json").exists()]
 
 
+def _span(lo, hi) -> str:
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
 def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
     from quality import specforge_runs
 
@@ -297,7 +301,7 @@ def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
                     "real tau code T=0", "input tok/s, alone", "peak GB"], rows),
             f"Our steps are {_f(ratio)}x SpecForge's speed (steady state, each alone on the GPU). SpecForge "
             f"keeps its own optimizer details: {sf.get('differences')}."
-            + (f" Its loss ran in chunks of {chunks['min']}-{chunks['max']} anchors (a {chunks['logits_budget_gib']} "
+            + (f" Its loss ran in chunks of {_span(chunks['min'], chunks['max'])} anchors (a {chunks['logits_budget_gib']} "
                "GiB logits budget; its default, one chunk of 128, ran an 80 GB GPU out of memory at the default "
                "recipe's batch)." if chunks.get("max") else ""), ""]
 
