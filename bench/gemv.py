@@ -13,8 +13,18 @@ the 36 layers and the LM head at the Qwen3-8B shape, for the rows of a decode st
 and, for the ceiling the memory system sets, a plain device-to-device copy and a plain read (a sum) of
 2 GiB. Reported: ms, TB/s (weight bytes / time) and the ratio to the datasheet bound per layout.
 
-    python bench/gemv.py [--json OUT]     # the GPU
-    python bench/gemv.py --smoke          # tiny, CPU: checks the script
+With `--compiled`, two more layouts of the fused products, both from what torch ships, to learn whether a
+matrix-vector kernel faster than cuBLAS's is to be had without writing one:
+
+  fused-autotune   the fused products under `torch.compile(mode="max-autotune-no-cudagraphs")`: Inductor's
+                   Triton matrix-product templates compete with cuBLAS per shape, the fastest kept
+  fused-reduce     each product written as a broadcast multiply and a sum over the inner dimension (fp32
+                   accumulation), compiled: Inductor makes one Triton reduction kernel of each, its launch
+                   configuration tuned by coordinate descent (a plain read's access pattern; rows <= 16 only,
+                   where the product is all weight traffic)
+
+    python bench/gemv.py [--json OUT] [--compiled]    # the GPU
+    python bench/gemv.py --smoke                      # tiny, CPU: checks the script
 """
 
 from __future__ import annotations
@@ -48,26 +58,46 @@ def layer_weights(shape: dict, dtype: torch.dtype) -> list[dict[str, torch.Tenso
     return out
 
 
-def products(layers, head: torch.Tensor, x: torch.Tensor, fused: bool):
+def reduce_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T as a broadcast multiply and a sum over the inner dimension, both in fp32 (as a matrix product's
+    accumulation): under torch.compile one reduction kernel that streams w once in its own dtype (for few rows
+    of x); eager, it would materialise an fp32 copy of w (the CPU check only)."""
+    return (x.unsqueeze(-2).float() * w.float()).sum(-1).to(x.dtype)
+
+
+def products(layers, head: torch.Tensor, x: torch.Tensor, fused: bool, linear=F.linear):
     """One step's products, each layer's fed from the same input x (the products are what is timed); fn()
-    returns every product's output, in the same order for both layouts."""
+    returns every product's output, in the same order for both layouts. `linear` computes each product."""
     def fn() -> list[torch.Tensor]:
         out = []
         for w in layers:
             nq, nkv, _, I = w["splits"]
             if fused:
-                q, k, v = F.linear(x, w["qkv"]).split([nq, nkv, nkv], dim=-1)
-                a = F.linear(q, w["o"])
-                g, u = F.linear(a, w["gate_up"]).split([I, I], dim=-1)
+                q, k, v = linear(x, w["qkv"]).split([nq, nkv, nkv], dim=-1)
+                a = linear(q, w["o"])
+                g, u = linear(a, w["gate_up"]).split([I, I], dim=-1)
             else:
                 q_w, k_w, v_w = w["qkv"].split([nq, nkv, nkv])  # row views of the fused buffer
                 g_w, u_w = w["gate_up"].split([I, I])
-                q, k, v = F.linear(x, q_w), F.linear(x, k_w), F.linear(x, v_w)
-                a = F.linear(q, w["o"])
-                g, u = F.linear(a, g_w), F.linear(a, u_w)
-            out += [q, k, v, a, g, u, F.linear(g, w["down"])]
-        return out + [F.linear(x, head)]
+                q, k, v = linear(x, q_w), linear(x, k_w), linear(x, v_w)
+                a = linear(q, w["o"])
+                g, u = linear(a, g_w), linear(a, u_w)
+            out += [q, k, v, a, g, u, linear(g, w["down"])]
+        return out + [linear(x, head)]
     return fn
+
+
+def compiled_layouts(layers, head: torch.Tensor, x: torch.Tensor) -> dict[str, object]:
+    """The `--compiled` layouts: name -> fn, each compiled for this x's shape (compilation happens at the
+    first call, i.e. in graphed()'s warm-up, outside the capture)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = True
+    out = {"fused-autotune": torch.compile(products(layers, head, x, True), mode="max-autotune-no-cudagraphs",
+                                           dynamic=False)}
+    if x.shape[0] <= 16:
+        out["fused-reduce"] = torch.compile(products(layers, head, x, True, linear=reduce_linear), dynamic=False)
+    return out
 
 
 def graphed(fn):
@@ -91,6 +121,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also the fused products compiled by Inductor: autotuned templates, and as reductions")
     a = ap.parse_args()
     shape = SMOKE_QWEN if a.smoke else QWEN3_8B
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -118,11 +150,16 @@ def main() -> None:
     for R in (int(r) for r in a.rows.split(",")):
         x = torch.randn(R, shape["hidden_size"], device=DEVICE, dtype=dtype)
         row = {}
-        for name, fused in (("separate", False), ("fused", True)):
-            ms = median_ms(graphed(products(layers, head, x, fused)), iters)
+        layouts = {"separate": products(layers, head, x, False), "fused": products(layers, head, x, True)}
+        if a.compiled:
+            layouts.update(compiled_layouts(layers, head, x))
+        for name, fn in layouts.items():
+            ms = median_ms(graphed(fn), iters)
             row[name] = {"ms": ms, "tb_s": weight_bytes / ms / 1e9, "x_bound": ms / bound_ms}
-            print(f"rows {R:4d} {name:9s} {ms:7.3f} ms  {row[name]['tb_s']:.2f} TB/s  {ms / bound_ms:.2f}x the bound",
-                  flush=True)
+            if name.startswith("fused-"):
+                row[name]["vs_fused"] = row["fused"]["ms"] / ms
+            print(f"rows {R:4d} {name:14s} {ms:7.3f} ms  {row[name]['tb_s']:.2f} TB/s  {ms / bound_ms:.2f}x the bound"
+                  + (f"  {row[name]['vs_fused']:.2f}x cuBLAS's fused" if "vs_fused" in row[name] else ""), flush=True)
         row["fused_speedup"] = row["separate"]["ms"] / row["fused"]["ms"]
         res["rows"][str(R)] = row
     save_json(a.json, res)

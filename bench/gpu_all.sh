@@ -18,10 +18,11 @@
 #         EXTRACT_ARGS (more bench/extract.py options, e.g. "--repeat --skip whole,compute")
 #         GPUS may list counts, e.g. GPUS=1,2: extract and train-store run on each (speedup reported)
 #         LIMIT_TRAIN_STEP, LIMIT_EXTRACT, LIMIT_TRAIN_STORE, LIMIT_CUDA_TESTS, LIMIT_CUDA_BISECT, LIMIT_REPLICA, LIMIT_DDP,
-#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL, LIMIT_EVAL_CHECK, LIMIT_TIE_RULE: seconds per part
+#         LIMIT_DECODE, LIMIT_GENERATE, LIMIT_TREE_EVAL, LIMIT_EVAL_CHECK, LIMIT_TIE_RULE, LIMIT_GEMV: seconds per part
 #         TIE_ARGS (bench/tie_rule.py options: --target MODEL --prompts-file FILE on the GPU machine)
 #         TREE_EVAL_ARGS (more bench/tree_eval.py options, e.g. "--budgets 0,8,32,128" or "--shape smollm2")
-#         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR")
+#         DECODE_ARGS (more bench/eval.py options, e.g. "--skip e2e" or "--target DIR"), GEMV_ARGS (more
+#         bench/gemv.py options, e.g. "--compiled --rows 1,16" with LIMIT_GEMV=420: Inductor's compilation and tuning)
 #         GENERATE_ARGS (more bench/generate.py options, e.g. "--skip cb")
 #         HYBRID_LAYERS, HYBRID_TOKENS, FLA_SITE (extract-hybrid: layers, tokens, a folder with
 #         flash-linear-attention installed)
@@ -130,7 +131,7 @@ for p in $parts; do
   gemv)
     # The decode step's matrix products alone (Qwen3-8B shape, 1/16/128 rows), separate and fused q|k|v,
     # gate|up, against a plain copy's and read's bandwidth: how near the bound the products can come.
-    part gemv 120 "$py" bench/gemv.py --json "$out/gemv.json" "${smoke[@]}" ;;
+    part gemv "${LIMIT_GEMV:-120}" "$py" bench/gemv.py --json "$out/gemv.json" ${GEMV_ARGS:-} "${smoke[@]}" ;;
   attention)
     # The target's attention over extraction's batch shapes: padding mask or causal only, first and warm calls.
     part attention 120 "$py" bench/attention.py --json "$out/attention.json" "${smoke[@]}" ;;

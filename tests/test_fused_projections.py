@@ -223,3 +223,21 @@ def test_the_products_benchmark_times_the_same_products_over_the_same_memory():
         torch.testing.assert_close(a, b, **EXACT)
     q_w = layers[0]["qkv"].split(list(layers[0]["splits"][:3]))[0]
     assert q_w.untyped_storage().data_ptr() == layers[0]["qkv"].untyped_storage().data_ptr()
+
+
+def test_the_products_benchmark_reduction_form_computes_the_same_products():
+    """bench/gemv.py --compiled's `fused-reduce` layout: each product as a multiply and an fp32 sum is the
+    same product (so its time is comparable), in fp32 and, up to one rounding of the output, in bf16."""
+    import gemv
+
+    layers = gemv.layer_weights(gemv.SMOKE_QWEN, torch.float32)
+    head = torch.randn(gemv.SMOKE_QWEN["vocab_size"], gemv.SMOKE_QWEN["hidden_size"])
+    x = torch.randn(1, gemv.SMOKE_QWEN["hidden_size"])
+    want = gemv.products(layers, head, x, True)()
+    got = gemv.products(layers, head, x, True, linear=gemv.reduce_linear)()
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    w16, x16 = head.to(torch.bfloat16), x.to(torch.bfloat16)
+    ref = (x16.float() @ w16.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(gemv.reduce_linear(x16, w16), ref, rtol=8e-3, atol=1e-2)
