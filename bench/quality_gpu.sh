@@ -58,14 +58,15 @@
 # T=1 215 / 213 s in parallel, code 36 s): ~950 s of device time from setup to the last eval.
 # SpecForge against the default recipe (2026-12-07, H100): setup x2, with .m3 .qregen `start data stores specforge`
 # (fp8 extraction 173 s; SpecForge's steps 0.307 s at 49,152 tokens, ~460 s for 1,500; our 120-step speed run
-# 185 s with start-up; its evals ~4 minutes more): budget ~1,300 s from setup. That run ran out of GPU memory
+# 185 s with start-up; its evals ~4 minutes more): budget ~1,300 s from setup, or ~900 s where the machine goes
+# back once KEEP_DRAFTER's drafter has come back (its evals then on the CPU). That run ran out of GPU memory
 # in SpecForge's loss, since bounded by bench/specforge_dflash.py's --logits-budget-gib (bench/specforge_memory.py).
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
 #      `cat drafter-part-* > model.safetensors`, `dflash eval --drafter DIR --target smollm2.gguf --prompts
 #      prompts-chat.jsonl --num-prompts 24 --max-new-tokens 192 --dtype fp32` measures its real tau on the CPU),
-#      KEEP (the folder that outlives a call, default /tmp/keep),
+#      KEEP (the folder that outlives a call, default /tmp/keep), STOP_GRACE (seconds `stop` waits after SIGTERM, 30),
 #      DEADLINE (seconds quality.py may run in a call, default 500), Q_ARGS (more quality.py options,
 #      e.g. "--steps 300 --train-jobs 2"), SHARED (default ../shared), PYTHON (default python3),
 #      SMOKE_ROOT (default /tmp/dflash-quality-smoke), BG_PARTS (bench/gpu_all.sh parts that `run` starts beside
