@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import int_list  # noqa: E402
+from common import int_list, resolve_device  # noqa: E402
 from packed import sample_spans, span_index  # noqa: E402
 
 from dflash_pipeline.train.batch import Batch  # noqa: E402
@@ -76,8 +76,7 @@ def run_modes(*, store: str, target: str | None, out: str | Path, steps: int, wa
     from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, resolve_batch
     from dflash_pipeline.train.step import Frozen
 
-    dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
-                       ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     cuda = dev.type == "cuda"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import int_list  # noqa: E402
+from common import int_list, resolve_device  # noqa: E402
 from packed import sample_spans, span_index  # noqa: E402
 
 from dflash_pipeline.errors import DFlashError  # noqa: E402
@@ -132,6 +132,11 @@ def unpack_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return gather(batch.tokens), gather(batch.features), gather(batch.loss_mask).to(torch.float32)
 
 
+def logits_bytes_per_anchor(n_samples: int, block_size: int, vocab: int) -> int:
+    """Bytes of bf16 logits one anchor adds to a chunk of SpecForge's loss: its block across every sequence."""
+    return max(1, n_samples) * block_size * vocab * 2
+
+
 def objective_chunk_blocks(n_samples: int, block_size: int, vocab: int, budget_bytes: float,
                            default: int = 128) -> int:
     """SpecForge's `objective_chunk_blocks` for a batch of `n_samples` sequences: the most anchors per chunk
@@ -140,8 +145,7 @@ def objective_chunk_blocks(n_samples: int, block_size: int, vocab: int, budget_b
     batch at a time, checkpointed: with SpecForge's 128 at 64 anchors, a 49,152-token batch of ~140 samples
     is one chunk of ~14 GB of logits, and its backward asked for 13-16 GiB more on an 80 GB GPU (2026-12-07).
     Chunking changes neither the loss nor the anchors drawn: only how much of the head's output exists at once."""
-    per_anchor = max(1, n_samples) * block_size * vocab * 2
-    return max(1, min(default, int(budget_bytes // per_anchor)))
+    return max(1, min(default, int(budget_bytes // logits_bytes_per_anchor(n_samples, block_size, vocab))))
 
 
 def frozen_modules(frozen, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -153,6 +157,21 @@ def frozen_modules(frozen, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.n
     head = torch.nn.Linear(H, V, bias=False, device=frozen.head_VH.device, dtype=dtype)
     head.weight = torch.nn.Parameter(frozen.head_VH.detach().to(dtype).clone(), requires_grad=False)
     return embed, head
+
+
+def online_model(dcfg: DrafterConfig, frozen, dev: torch.device, *, num_anchors: int, gamma: float, seed: int = 0):
+    """SpecForge's `OnlineDFlashModel` around a fresh drafter for `dcfg` and the target's frozen embedding and
+    head, in training mode on `dev`: bf16 with FlexAttention on CUDA, fp32 with its eager/SDPA path on the CPU."""
+    _, OnlineDFlashModel, _ = import_specforge()
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    embed, head = frozen_modules(frozen, dtype)
+    model = OnlineDFlashModel(build_draft(dcfg, "flex_attention" if cuda else "eager", seed), head, embed,
+                              dcfg.mask_token_id, block_size=dcfg.block_size,
+                              attention_backend="flex_attention" if cuda else "sdpa", num_anchors=num_anchors,
+                              loss_decay_gamma=gamma).to(device=dev, dtype=dtype)
+    model.train()
+    return model
 
 
 def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int = 16, gamma: float | None = None,
@@ -176,10 +195,9 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     from dflash_pipeline.train.from_store import check_store_fits, drafter_config_for, frozen_tensors
     from dflash_pipeline.train.loader import StreamingLoader
 
-    _, OnlineDFlashModel, BF16Optimizer = import_specforge()
+    _, _, BF16Optimizer = import_specforge()
     line = progress or LiveLine()
-    dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
-                       ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     cuda = dev.type == "cuda"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,13 +211,9 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
     dcfg = drafter_config_for(tcfg.model, reader)
     gamma = gamma if gamma is not None else default_gamma(block_size)
     dtype = torch.bfloat16 if cuda else torch.float32
-    frozen = frozen_tensors(reader, dev, dtype)
-    embed, head = frozen_modules(frozen, dtype)
-    draft = build_draft(dcfg, "flex_attention" if cuda else "eager", seed)
-    model = OnlineDFlashModel(draft, head, embed, dcfg.mask_token_id, block_size=block_size,
-                              attention_backend="flex_attention" if cuda else "sdpa", num_anchors=max_anchors,
-                              loss_decay_gamma=gamma).to(device=dev, dtype=dtype)
-    model.train()
+    model = online_model(dcfg, frozen_tensors(reader, dev, dtype), dev, num_anchors=max_anchors, gamma=gamma,
+                         seed=seed)
+    draft = model.draft_model
     opt = BF16Optimizer(model, lr=lr, weight_decay=0.0, max_grad_norm=grad_clip, total_steps=steps,
                         warmup_ratio=warmup_ratio)
     loader = StreamingLoader(reader, layers=dcfg.target_layer_ids, rank=0, world=1, seed=seed, row_len=max_length,

@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import int_list, save_json  # noqa: E402
-from specforge_dflash import build_draft, frozen_modules, import_specforge, objective_chunk_blocks  # noqa: E402
+from common import int_list, resolve_device, save_json  # noqa: E402
+from specforge_dflash import import_specforge, logits_bytes_per_anchor, objective_chunk_blocks, online_model  # noqa: E402
 
 from dflash_pipeline.train.model import DrafterConfig  # noqa: E402
 
@@ -49,13 +49,11 @@ def make_batch(lengths: list[int], F: int, V: int, prompt_frac: float, device, d
     g = torch.Generator().manual_seed(seed)
     n, T = len(lengths), max(lengths)
     ids = torch.randint(0, V, (n, T), generator=g)
+    hidden = torch.randn(n, T, F, generator=g).to(dtype)
     mask = torch.zeros(n, T)
     for i, length in enumerate(lengths):
-        ids[i, length:] = 0
+        ids[i, length:], hidden[i, length:] = 0, 0
         mask[i, int(length * prompt_frac):length] = 1.0
-    hidden = torch.randn(n, T, F, generator=g).to(dtype)
-    for i, length in enumerate(lengths):
-        hidden[i, length:] = 0
     return ids.to(device), hidden.to(device), mask.to(device)
 
 
@@ -95,9 +93,8 @@ def measure(model, opt, batch, chunk: int, steps: int, device) -> dict:
 
 def run(*, samples: int, mean_len: int, max_len: int, anchors: int, block: int, layers: int, chunks: list[int],
         budget_gib: float, steps: int, prompt_frac: float, V: int, seed: int, device: str) -> dict:
-    _, OnlineDFlashModel, BF16Optimizer = import_specforge()
-    dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
-                       ("cpu" if device == "auto" else device))
+    _, _, BF16Optimizer = import_specforge()
+    dev = resolve_device(device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     dcfg = smollm2_drafter(layers, block, V)
@@ -105,11 +102,7 @@ def run(*, samples: int, mean_len: int, max_len: int, anchors: int, block: int, 
     g = torch.Generator().manual_seed(seed)
     frozen = SimpleNamespace(embed_VH=(torch.randn(V, H, generator=g) * 0.02).to(dev),
                              head_VH=(torch.randn(V, H, generator=g) * 0.02).to(dev), embed_scale=1.0)
-    embed, head = frozen_modules(frozen, dtype)
-    model = OnlineDFlashModel(build_draft(dcfg, "flex_attention" if cuda else "eager", seed), head, embed,
-                              dcfg.mask_token_id, block_size=block, attention_backend="flex_attention" if cuda else "sdpa",
-                              num_anchors=anchors, loss_decay_gamma=7.0).to(device=dev, dtype=dtype)
-    model.train()
+    model = online_model(dcfg, frozen, dev, num_anchors=anchors, gamma=7.0, seed=seed)
     opt = BF16Optimizer(model, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0, total_steps=1000, warmup_ratio=0.0)
     lengths = sample_lengths(samples, mean_len, max_len, seed)
     batch = make_batch(lengths, len(dcfg.target_layer_ids) * H, V, prompt_frac, dev, dtype, seed)
@@ -121,7 +114,7 @@ def run(*, samples: int, mean_len: int, max_len: int, anchors: int, block: int, 
     out = {"gpu": gpu, "torch": torch.__version__, "samples": samples, "tokens": sum(lengths),
            "longest": max(lengths), "anchors": anchors, "block": block, "layers": layers, "vocab": V,
            "budget_gib": budget_gib, "budget_chunk": budget_chunk,
-           "logits_gib_per_anchor": samples * block * V * 2 / 2**30, "results": results}
+           "logits_gib_per_anchor": logits_bytes_per_anchor(samples, block, V) / 2**30, "results": results}
     base = next((r for r in results if r["chunk"] >= anchors and not r["oom"]), None)
     for r in results:
         if base and not r["oom"] and r is not base:
