@@ -162,7 +162,7 @@ def main() -> None:
                   + (f"  {row[name]['vs_fused']:.2f}x cuBLAS's fused" if "vs_fused" in row[name] else ""), flush=True)
         row["fused_speedup"] = row["separate"]["ms"] / row["fused"]["ms"]
         res["rows"][str(R)] = row
-    save_json(a.json, res)
+        save_json(a.json, res)  # after every row: a part stopped at its limit keeps the rows it finished
 
 
 if __name__ == "__main__":
