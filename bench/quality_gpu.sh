@@ -273,11 +273,16 @@ stop)
     echo "stop: no detached parts running"; exit 0
   fi
   sid=$(cat $keep/detached.pid)
-  pkill -TERM -s "$sid"
+  # The parts run each job in a session of its own (bench/quality_jobs.py: a job's loader workers end with it),
+  # so the detached session alone does not hold the trainings: signal every session of its process tree.
+  tree() { local p; for p in "$@"; do echo "$p"; tree $(pgrep -P "$p"); done; }
+  sids=$(for p in $(tree $(pgrep -s "$sid")); do ps -o sid= -p "$p"; done | tr -d ' ' | sort -u)
+  alive() { local s; for s in $sids; do pgrep -s "$s" > /dev/null && return 0; done; return 1; }
+  for s in $sids; do pkill -TERM -s "$s"; done
   t0=$SECONDS
-  while pgrep -s "$sid" > /dev/null && [ $((SECONDS - t0)) -lt "${STOP_GRACE:-30}" ]; do sleep 1; done
-  pgrep -s "$sid" > /dev/null && { pkill -KILL -s "$sid"; echo "stop: killed what outlived ${STOP_GRACE:-30} s"; }
+  while alive && [ $((SECONDS - t0)) -lt "${STOP_GRACE:-30}" ]; do sleep 1; done
+  alive && { for s in $sids; do pkill -KILL -s "$s"; done; echo "stop: killed what outlived ${STOP_GRACE:-30} s"; }
   echo 143 > $keep/detached.rc
-  echo "stopped the detached parts (session $sid) after $((SECONDS - t0)) s" ;;
+  echo "stopped the detached parts (sessions $(echo $sids)) after $((SECONDS - t0)) s" ;;
 *) echo "unknown command $cmd"; exit 2 ;;
 esac

@@ -26,6 +26,14 @@ def _stand_in(tmp_path: Path, body: str) -> tuple[Path, dict]:
     return keep, env
 
 
+def _gone(pid: int) -> bool:
+    """Whether `pid` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="setsid and the script's shell tools")
 def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path):
     # A stand-in for python: the parts' `bench/quality.py` runs for 30 s, so a call that waits for them (or for
@@ -53,8 +61,10 @@ def test_start_returns_while_the_detached_parts_run_even_through_a_pipe(tmp_path
 
 @pytest.mark.skipif(sys.platform != "linux", reason="setsid and the script's shell tools")
 def test_stop_ends_the_detached_parts_so_that_start_runs_again(tmp_path):
-    runs = tmp_path / "runs"
-    keep, env = _stand_in(tmp_path, f"echo run >> {runs}\nsleep 60")
+    # The stand-in starts a job in a session of its own, as bench/quality_jobs.py starts each training: `stop`
+    # must end it too, not only the detached session (a training left running holds the GPU's memory).
+    runs, jobs = tmp_path / "runs", tmp_path / "jobs"
+    keep, env = _stand_in(tmp_path, f"setsid sleep 60 &\necho $! >> {jobs}\necho run >> {runs}\nsleep 60")
 
     def script(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "bench/quality_gpu.sh", *args], cwd=REPO, env=env, capture_output=True,
@@ -71,11 +81,14 @@ def test_stop_ends_the_detached_parts_so_that_start_runs_again(tmp_path):
         wait_for_runs(1)
         assert "already running" in script("start", "recipes").stdout  # refused while they run
         sid = (keep / "detached.pid").read_text().strip()
+        job = int(jobs.read_text().split()[0])
+        assert os.getsid(job) != int(sid)  # the job runs in a session of its own
         t0 = time.monotonic()
         out = script("stop")
         assert "stopped the detached parts" in out.stdout, out.stdout + out.stderr
         assert time.monotonic() - t0 < 20
         assert subprocess.run(["pgrep", "-s", sid], capture_output=True).returncode == 1  # nothing left
+        assert _gone(job), "stop left the job's own session running"
         assert "no detached parts running" in script("stop").stdout
         assert "started detached" in script("start", "recipes").stdout  # and may start again
         wait_for_runs(2)
