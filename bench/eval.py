@@ -159,9 +159,10 @@ def decode_bound_ms(model, slots: int) -> tuple[float, float]:
 
 
 def bench_steps(model, shape: dict, context: int, block: int, iters: int, hf_tokens: int,
-                compile: bool = False, fuse: bool = True) -> dict:
+                compile: bool | str = False, fuse: bool = True) -> dict:
     """Graphed decode / verify / drafter step times of one target shape, against the decode bound;
-    compile: the steps' forward through torch.compile before capture (fused elementwise kernels);
+    compile: the steps' forward through torch.compile before capture (fused elementwise kernels; a string:
+    the target's layers in that torch.compile mode);
     fuse: the runner's fused q|k|v and gate|up products (False: transformers' seven per layer)."""
     from dflash_pipeline.decoding.drafter import StaticDrafter
     from dflash_pipeline.decoding.runner import DecodingRunner
@@ -291,7 +292,8 @@ def table(out: dict) -> list[str]:
         if "error" in s:
             lines.append(f"  compiled steps failed: {s['error']}")
         else:
-            lines.append(f"  compiled (torch.compile before capture): decode {s['decode_ms']:.2f} ms "
+            mode = s["compiled"] if isinstance(s.get("compiled"), str) else "default mode"
+            lines.append(f"  compiled (torch.compile before capture, {mode}): decode {s['decode_ms']:.2f} ms "
                          f"({s['decode_over_bound']:.2f}x bound), verify {s['verify_ms']:.2f} ms "
                          f"({s['verify_over_decode']:.2f}x decode), drafter {s['drafter_ms']:.2f} ms; "
                          + ", ".join(f"tau {t} -> {v:.2f}x" for t, v in s["speedup_at_tau"].items()))
@@ -320,6 +322,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     ap.add_argument("--no-fuse", action="store_true", help="steps: transformers' separate q, k, v, gate and up "
                     "products instead of the runner's fused ones")
+    ap.add_argument("--compile-mode", default=None, help="compiled: torch.compile's mode for the target's layers, "
+                    "e.g. max-autotune-no-cudagraphs (Triton matrix-product templates tuned against cuBLAS)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.work, exist_ok=True)
@@ -356,8 +360,8 @@ def main() -> None:
     if "compiled" not in skip:  # last: compiling takes minutes, the other parts are safe by then
         try:  # the same steps with the elementwise chains fused by torch.compile
             qwen_model = qwen_model or random_target(qwen, "qwen3")
-            result = bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=0, compile=True,
-                                 fuse=not args.no_fuse)
+            result = bench_steps(qwen_model, qwen, args.context, 16, iters, hf_tokens=0,
+                                 compile=args.compile_mode or True, fuse=not args.no_fuse)
         except Exception as e:  # report it in the table instead of losing the run
             result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         done("steps_compiled", result)

@@ -99,7 +99,7 @@ class DecodingRunner:
     """See the module docstring. `max_len`: slots per row, new block included."""
 
     def __init__(self, model, *, rows: int = 1, max_len: int, layer_ids: Sequence[int] = (),
-                 graphs: bool | None = None, prefill_chunk: int = 512, compile: bool = False,
+                 graphs: bool | None = None, prefill_chunk: int = 512, compile: bool | str = False,
                  split_decode: bool = False, fuse: bool | None = None):
         reason = unsupported_reason(model)
         if reason:
@@ -143,7 +143,10 @@ class DecodingRunner:
         # The layer's forward, not its __call__: the feature hooks stay outside the compiled code (one
         # code for every layer, hooked or not). Automatic dynamic (no dynamic=False): the layer index
         # and the step shapes become symbolic after their first change instead of compiling again.
-        self._compiled = [torch.compile(layer.forward) for layer in layers] if compile else None
+        # A string is torch.compile's mode, e.g. "max-autotune-no-cudagraphs": Inductor's Triton matrix-product
+        # templates then compete with cuBLAS per shape (bench/eval.py --compile-mode measures it).
+        mode = compile if isinstance(compile, str) else None
+        self._compiled = [torch.compile(layer.forward, mode=mode) for layer in layers] if compile else None
         self._pool = new_pool(self.device)
         self._io: dict[int, StepIO] = {}
         self._steps: dict[tuple[int, int], GraphedStep] = {}  # (q, attended slots)
