@@ -61,6 +61,9 @@
 # 185 s with start-up; its evals ~4 minutes more): budget ~1,300 s from setup, or ~900 s where the machine goes
 # back once KEEP_DRAFTER's drafter has come back (its evals then on the CPU). That run ran out of GPU memory
 # in SpecForge's loss, since bounded by bench/specforge_dflash.py's --logits-budget-gib (bench/specforge_memory.py).
+# Again with the bound (2026-12-07, H100): setup x2 (~95 s with the machine's start), `start` (extraction 151 s,
+# SpecForge 715 s with start-up and its held-out estimate, 1,500 steps at 0.331 s), one `wait` brought its
+# drafter, a second the speed run's 120 steps (~150 s), then `stop`: ~1,150 s of device time from the first call.
 # env: KEEP_DRAFTER (a run's name: its exported drafter comes back in $OUT/drafter-NAME, weights in 15 MiB
 #      parts; default: the newest finished run's, once, or where none has finished, the newest checkpoint of a
 #      run stopped at the deadline, exported, as $OUT/drafter-RUN-step-N; '@' reads '-at-'. Here, after
