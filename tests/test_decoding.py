@@ -197,6 +197,31 @@ def test_compiled_steps_write_every_layers_cache_in_place(kind):
     assert not any(layer_cache in code for code in codes)
 
 
+def test_compile_may_name_torch_compiles_mode(monkeypatch):
+    """`compile="max-autotune-no-cudagraphs"` (bench/eval.py --compile-mode) compiles every decoder layer in
+    that mode; `compile=True` in torch.compile's default mode; the steps run the compiled layers either way."""
+    model = tiny("qwen3", seed=1)
+    modes, calls = [], []
+
+    def fake_compile(fn, mode=None, **kw):
+        modes.append(mode)
+
+        def wrapped(*a, **k):
+            calls.append(mode)
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    for compile, want in (("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"), (True, None)):
+        modes.clear(), calls.clear()
+        with DecodingRunner(model, max_len=32, graphs=False, compile=compile) as runner:
+            runner.prefill(0, [5, 17, 3])
+            runner.inputs(1).ids_Rq[:, 0] = 4
+            runner.step(1)
+        assert modes == [want] * model.config.num_hidden_layers
+        assert calls and set(calls) == {want}
+
+
 def test_steps_attend_to_the_bucket_the_longest_row_needs():
     model = tiny("llama", seed=5)
     prompts = [list(range(1, 90)) * 3, [4, 5, 6]]  # 267 and 3 tokens: one row past the first bucket
