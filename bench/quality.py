@@ -351,7 +351,7 @@ class Bench:
                     else ["--prompts", str(self.data("prompts-chat.jsonl")), "--num-prompts", str(p.eval_prompts)]
                 cmd = self.dflash("eval", "--drafter", str(self.run_dir(run) / "final"), *self.target_args(),
                                   *prompts, "--max-new-tokens", str(p.eval_new_tokens), "--temperature", str(t),
-                                  "--gpus", "1", "--json", *p.device_args)
+                                  "--gpus", "1", "--json", "--records", str(records_file(path)), *p.device_args)
                 cmd += ["--compile"] if alone and p.eval_compile else []
                 cmd += ["--tree-budget", f"0,{p.eval_trees}"] if p.eval_trees and prompt_set == "chat" and t == 0 else []
                 tmp = path.with_suffix(".part")
@@ -378,6 +378,12 @@ class Bench:
         print(f"part {part}: {'complete' if rec['complete'] else 'INCOMPLETE'} in {rec['seconds']:.0f}s"
               + (f"; not done: {bad}" if bad else ""), flush=True)
         return rec
+
+
+def records_file(eval_file: Path) -> Path:
+    """Where an eval's per-prompt records go (`dflash eval --records`), beside its result: what
+    bench/tau_compare.py pairs by prompt to tell two drafters apart from the prompts' noise."""
+    return eval_file.with_suffix(".records.jsonl")
 
 
 def train_finished(run_dir: Path) -> bool:

@@ -289,10 +289,12 @@ def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
              _f(sf_speed, ",.0f"), _f(sf_peak, ".1f")]]
     chunks = sf.get("objective_chunk_blocks") or {}
     ratio = ours_speed / sf_speed if ours_speed and sf_speed else None
+    paired = paired_tau(b.eval_file(sf_name, "chat", 0.0), b.eval_file(recipe, "chat", 0.0))
     rec["specforge"] = {"compared_with": recipe, "store": store, "shape": shape,
                         "ours": ours, "specforge": theirs, "ours_tok_s_alone": ours_speed, "specforge_tok_s_alone": sf_speed,
                         "speed_ratio": ratio, "differences": sf.get("differences"),
-                        "peak_mem_gb": {"ours": ours_peak, "specforge": sf_peak}, "specforge_loss_chunks": chunks}
+                        "peak_mem_gb": {"ours": ours_peak, "specforge": sf_peak}, "specforge_loss_chunks": chunks,
+                        "paired_chat_T0": paired}
     loss = "CE + decay on both sides" if recipe == "ce" else f"SpecForge's CE + decay against recipe {recipe}"
     anchors = f", {shape['max_anchors']} anchors a sample over {shape['tokens_per_batch']:,} tokens" if shape else ""
     return [f"## Side by side with SpecForge (store {store}, same batches, steps, lr schedule, "
@@ -303,7 +305,27 @@ def _specforge_section(b, rec: dict[str, Any]) -> list[str]:
             f"keeps its own optimizer details: {sf.get('differences')}."
             + (f" Its loss ran in chunks of {_span(chunks['min'], chunks['max'])} anchors (a {chunks['logits_budget_gib']} "
                "GiB logits budget; its default, one chunk of 128, ran an 80 GB GPU out of memory at the default "
-               "recipe's batch)." if chunks.get("max") else ""), ""]
+               "recipe's batch)." if chunks.get("max") else "")
+            + (f" Paired by prompt (chat T=0, {paired['prompts']} prompts): ours / SpecForge's tau {paired['ratio']:.3f}, "
+               f"95% bootstrap {paired['ratio_ci95'][0]:.3f}-{paired['ratio_ci95'][1]:.3f} "
+               f"({'separated' if paired['separated'] else 'within the noise of these prompts'}); ours better on "
+               f"{paired['per_prompt']['b_wins']} prompts, SpecForge's on {paired['per_prompt']['a_wins']}."
+               if paired and "ratio" in paired else "")
+            + (f" Not paired by prompt: {paired['error']}." if paired and "error" in paired else ""), ""]
+
+
+def paired_tau(a_eval: Path, b_eval: Path) -> dict[str, Any] | None:
+    """bench/tau_compare.py's paired comparison (B against A) of two evals' per-prompt records, where both exist."""
+    from quality import records_file
+    from tau_compare import compare, paired_counts, read_records
+
+    a, b = records_file(a_eval), records_file(b_eval)
+    if not (a.exists() and b.exists()):
+        return None
+    try:
+        return compare(paired_counts(read_records(a), read_records(b), 0)[1])
+    except SystemExit as e:  # other prompts or another target's output: no pairing, said in the record
+        return {"error": str(e)}
 
 
 def _online_section(b, rec: dict[str, Any]) -> list[str]:
@@ -348,9 +370,15 @@ def _goals(b, rec: dict[str, Any]) -> list[str]:
     if sf:
         o, t = sf["ours"].get("tau_chat_T0"), sf["specforge"].get("tau_chat_T0")
         both = o is not None and t is not None
+        paired = sf.get("paired_chat_T0") or {}
+        if both and "ratio_ci95" in paired:  # within the prompts' noise (the paired interval reaches 1) or better
+            lo, hi = paired["ratio_ci95"]
+            met, note = hi >= 1, f"ours / SpecForge's {paired['ratio']:.3f}, paired 95% {lo:.3f}-{hi:.3f}"
+        else:
+            met, note = both and o >= t * 0.98, ("within 2% counts as equal" if o is not None
+                                                 else "our side's run is not in this root")
         goals.append((f"ours ({sf.get('compared_with', 'ce')}) tau >= SpecForge's (T=0 chat)",
-                      f"{_f(o)} vs {_f(t)}" if both else None, both and o >= t * 0.98,
-                      "within 2% counts as equal" if o is not None else "our side's run is not in this root"))
+                      f"{_f(o)} vs {_f(t)}" if both else None, met, note))
         goals.append(("our steps faster than SpecForge's", sf.get("speed_ratio"), (sf.get("speed_ratio") or 0) > 1, ""))
     var = rec.get("variants", {})
     if best and best in var:

@@ -573,6 +573,8 @@ def test_specforge_side_by_side_against_a_recipe_on_the_recipe_store(tmp_path, m
     assert _opt(speed, "--kl-weight") == ["0.15"]
     evals = [c for n, c in cmds.items() if "__chat__" in n]
     assert evals and all(_opt(c, "--drafter")[0].endswith("specforge-kl15-cap-noise-a64x4/final") for c in evals)
+    assert _opt(cmds["specforge-kl15-cap-noise-a64x4__chat__T0"], "--records") == [
+        str(quality.records_file(b.eval_file("specforge-kl15-cap-noise-a64x4", "chat", 0.0)))]
     assert b.read("specforge")["compared_with"] == "kl15-cap-noise-a64x4"
 
     for name, est, tau in (("kl15-cap-noise-a64x4", 2.9, 3.1), ("specforge-kl15-cap-noise-a64x4", 2.5, 2.7)):
@@ -584,6 +586,11 @@ def test_specforge_side_by_side_against_a_recipe_on_the_recipe_store(tmp_path, m
                                                     "eval": {"tau_chain": est, "acc_per_pos": [0.8], "acc": 0.8}}))
         (d / "config.json").write_text(json.dumps({"train": {"block_size": 16}, "store": {"url": str(b.store("regen-fp8"))}}))
         b.eval_file(name, "chat", 0.0).write_text(json.dumps({"tau": tau, "lossless": True}))
+        # per-prompt records (`dflash eval --records`): ours commits one token more in every fourth step
+        steps = [3, 3, 3, 4] if name.startswith("kl15") else [3, 3, 3, 3]
+        quality.records_file(b.eval_file(name, "chat", 0.0)).write_text("".join(json.dumps(
+            {"file": "/x/prompts-chat.jsonl", "sample_id": i, "turn": 0, "tree_budget": 0,
+             "committed_per_step": steps * (1 + i % 3), "target_tokens": [i] * 5}) + "\n" for i in range(12)))
     speed_dir = b.run_dir("speed-kl15-cap-noise-a64x4")
     speed_dir.mkdir(parents=True, exist_ok=True)
     (speed_dir / "metrics.jsonl").write_text("\n".join(json.dumps({"type": "train", "input_tok_s": t, "peak_mem_gb": m})
@@ -594,8 +601,12 @@ def test_specforge_side_by_side_against_a_recipe_on_the_recipe_store(tmp_path, m
     assert rec["specforge"]["peak_mem_gb"] == {"ours": 26.7, "specforge": 48.0}
     assert rec["specforge"]["speed_ratio"] == pytest.approx(195e3 / 150e3)  # the upper median after the first interval
     assert "| 26.7 |" in md and "| 48.0 |" in md and "chunks of 7-9 anchors (a 2.0 GiB logits budget" in md
+    paired = rec["specforge"]["paired_chat_T0"]
+    assert paired["ratio"] == pytest.approx(13 / 12) and paired["separated"] and paired["per_prompt"]["b_wins"] == 12
+    assert "Paired by prompt (chat T=0, 12 prompts): ours / SpecForge's tau 1.083" in md
     goals = {g["goal"]: g for g in rec["goals"]}
     assert goals["ours (kl15-cap-noise-a64x4) tau >= SpecForge's (T=0 chat)"]["met"]
+    assert "paired 95%" in goals["ours (kl15-cap-noise-a64x4) tau >= SpecForge's (T=0 chat)"]["note"]
 
 
 def test_init_from_reaches_every_training_and_the_summary(tmp_path, monkeypatch):
