@@ -173,6 +173,12 @@ RECIPES: dict[str, dict[str, Any]] = {
     # workers); `dflash train`'s store rule since
     "kl15-cap-noise-a64x4": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "max_anchors": 64,
                              "tokens_per_batch": "BATCHx4"},
+    # What SpecForge's trainer keeps apart from ours, one at a time at the default recipe's shape (it trained a
+    # drafter ahead of ours per step at 1,500 steps, 2026-12-07): its loss alone (CE with decay: no KL, CAP or
+    # noise), and its AdamW beta2 (torch's 0.999 against our 0.95)
+    "ce-a64x4": {"kl_weight": 0.0, "max_anchors": 64, "tokens_per_batch": "BATCHx4"},
+    "kl15-cap-noise-a64x4-b999": {"kl_weight": 0.15, "cap_weight": 0.1, "feature_noise": "NOISE", "max_anchors": 64,
+                                  "tokens_per_batch": "BATCHx4", "adam_beta2": 0.999},
     # + a 3x learning rate: 6e-4 is the paper's for drafters of 8B targets, never ablated here; a 19M-parameter
     # drafter usually takes a larger one, and every run so far was still learning when its cosine schedule ran
     # out (the held-out estimate flattened only as the rate decayed, 2026-12-01 to 12-03). At demo scale on the

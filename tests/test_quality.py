@@ -738,3 +738,27 @@ def test_heldout_judge_matches_eval_records_to_their_budgets(tmp_path):
     assert real_taus([str(chain), str(tree)]) == {0: (2.05, [0.6]), 64: (3.12, [0.7])}
     assert real_taus([str(sweep)]) == {0: (2.0, [0.5]), 16: (2.6, None)}
     assert real_taus([str(tree), str(sweep)])[64] == (3.12, [0.7])
+
+
+def test_every_recipe_is_a_train_command_line_dflash_accepts(tmp_path, monkeypatch):
+    """Each recipe's options parse as `dflash train`'s own (a recipe naming an option the command lacks would
+    fail only on the GPU); SpecForge's differences come one at a time: its loss (ce-a64x4) and its beta2."""
+    import quality
+    from typer.testing import CliRunner
+
+    from dflash_pipeline import cli
+
+    seen = {}
+    monkeypatch.setattr("dflash_pipeline.train.trainer.run_train", lambda cfg: seen.__setitem__("cfg", cfg))
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=False)
+    for recipe in quality.RECIPES:
+        res = CliRunner().invoke(cli.app, ["train", "--store", str(tmp_path / "s"), "--out", str(tmp_path / recipe),
+                                           "--device", "cpu", *b.train_args(recipe, 10)])
+        assert res.exit_code == 0, (recipe, res.output)
+        cfg = seen.pop("cfg")
+        assert cfg.optim.steps == 10
+        if recipe == "kl15-cap-noise-a64x4-b999":
+            assert cfg.optim.betas == (0.9, 0.999) and cfg.loss.kl_weight == 0.15
+        if recipe == "ce-a64x4":
+            assert (cfg.loss.kl_weight, cfg.loss.cap_weight, cfg.loss.feature_noise) == (0.0, 0.0, 0.0)
+            assert cfg.to_dict()["max_anchors"] == 64 and cfg.optim.betas == (0.9, 0.95)

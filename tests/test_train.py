@@ -177,6 +177,27 @@ def test_resume_refuses_changed_config_or_store(tiny_store, tmp_path):
         run_train(_cfg(tiny_store, tmp_path / "empty", steps=4, resume=True))
 
 
+def test_adam_beta2_reaches_the_optimizer_and_decides_a_resume(tiny_store, tmp_path):
+    """--adam-beta2: left to its default the run is the one with 0.95 given, byte for byte; 0.999 (SpecForge's)
+    trains other weights; a resume with another beta2 is refused, while a checkpoint written before the option
+    existed (no adam_beta2 in its config) resumes as the default; outside (0, 1) it is refused."""
+    runs = {name: tmp_path / name for name in ("default", "b95", "b999")}
+    for name, beta2 in (("default", None), ("b95", 0.95), ("b999", 0.999)):
+        run_train(_cfg(tiny_store, runs[name], steps=3, adam_beta2=beta2))
+    weights = {n: (d / "final" / "model.safetensors").read_bytes() for n, d in runs.items()}
+    assert weights["default"] == weights["b95"] != weights["b999"]
+
+    run = tmp_path / "resumed"
+    run_train(_cfg(tiny_store, run, steps=4, stop_after=2))
+    with pytest.raises(ConfigMismatchError, match="adam_beta2: checkpoint has the default, this run has 0.999"):
+        run_train(_cfg(tiny_store, run, steps=4, adam_beta2=0.999, resume=True))
+    cfg = _cfg(tiny_store, run, steps=4)
+    older = {k: v for k, v in cfg.to_dict().items() if k != "adam_beta2"}
+    assert cfg.resume_diff(older) == [] and cfg.optim.betas == (0.9, 0.95)
+    with pytest.raises(ValueError, match="--adam-beta2 must be in"):
+        _cfg(tiny_store, run, adam_beta2=1.0)
+
+
 def test_init_from_an_export_starts_from_its_weights(tiny_store, tmp_path):
     """A run started from another run's export holds exactly its weights: at lr 0 (AdamW's decoupled decay is
     lr x wd, so nothing moves) its own export is the same bytes, while a run from the seed differs. A drafter

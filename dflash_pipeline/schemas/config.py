@@ -134,6 +134,11 @@ class LossConfig:
         return DEFAULT_KL_WEIGHT if store_topk > 0 else 0.0
 
 
+# AdamW's moment decays: beta2 0.95, the usual choice for transformers trained at scale, over torch's 0.999,
+# which SpecForge's DFlash trainer keeps. bench/quality.py's recipe kl15-cap-noise-a64x4-b999 measures the two.
+ADAM_BETA1, DEFAULT_ADAM_BETA2 = 0.9, 0.95
+
+
 @dataclass
 class OptimConfig:
     """The optimizer, its schedule and the run's length."""
@@ -144,6 +149,7 @@ class OptimConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
+    adam_beta2: float | None = None      # AdamW's second-moment decay; None: DEFAULT_ADAM_BETA2
     grad_clip: float = 1.0
     grad_accum: int = 1
     ema: float | None = None
@@ -163,6 +169,13 @@ class OptimConfig:
             raise ValueError("--ema must be in (0, 1), e.g. 0.999")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError("--warmup-ratio must be in [0, 1)")
+        if self.adam_beta2 is not None and not 0 < self.adam_beta2 < 1:
+            raise ValueError("--adam-beta2 must be in (0, 1), e.g. 0.95 or 0.999")
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        """AdamW's (beta1, beta2)."""
+        return ADAM_BETA1, DEFAULT_ADAM_BETA2 if self.adam_beta2 is None else self.adam_beta2
 
 
 @dataclass

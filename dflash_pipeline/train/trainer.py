@@ -140,7 +140,7 @@ class Trainer:
         # whole batch does not fit, it runs forward and backward in chunks of the plan's `chunk_rows` rows
         self.memory_plan: MemoryPlan | None = self._plan_memory()
         self.ddp = self._wrap(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                      weight_decay=cfg.optim.weight_decay, fused=proc.kind == "cuda")
         self.store_fp = store_fingerprint(self.reader)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
