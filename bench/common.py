@@ -29,15 +29,6 @@ QWEN3_5_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, 
                     max_position_embeddings=8192, tie_word_embeddings=False)
 
 
-def resolve_device(device: str = "auto"):
-    """A torch.device from a script's --device: "auto" is CUDA where there is one, else the CPU."""
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def int_list(text: str) -> list[int]:
     """An argparse type: comma-separated integers ("0,1,2,3"), as `dflash train --swa-layers` takes them."""
     return [int(x) for x in text.split(",") if x.strip()]

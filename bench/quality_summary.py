@@ -324,7 +324,7 @@ def paired_tau(a_eval: Path, b_eval: Path) -> dict[str, Any] | None:
         return None
     try:
         return compare(paired_counts(read_records(a), read_records(b), 0)[1])
-    except SystemExit as e:  # other prompts or another target's output: no pairing, said in the record
+    except ValueError as e:  # other prompts or another target's output: no pairing, said in the record
         return {"error": str(e)}
 
 

@@ -45,10 +45,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import int_list, resolve_device  # noqa: E402
+from common import int_list  # noqa: E402
 from packed import sample_spans, span_index  # noqa: E402
 
 from dflash_pipeline.errors import DFlashError  # noqa: E402
+from dflash_pipeline.launch import resolve_device  # noqa: E402
 from dflash_pipeline.train.model import DrafterConfig  # noqa: E402
 
 SPECFORGE_VERSION = "0.2"

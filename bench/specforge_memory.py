@@ -30,10 +30,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import int_list, resolve_device, save_json  # noqa: E402
+from common import int_list, save_json  # noqa: E402
 from specforge_dflash import import_specforge, logits_bytes_per_anchor, objective_chunk_blocks, online_model  # noqa: E402
 
 from dflash_pipeline.train.model import DrafterConfig  # noqa: E402
+from dflash_pipeline.launch import resolve_device  # noqa: E402
 
 
 def sample_lengths(n: int, mean_len: int, max_len: int, seed: int) -> list[int]:

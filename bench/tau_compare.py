@@ -44,9 +44,9 @@ def read_records(path: str | Path) -> dict[Key, dict[str, Any]]:
             key = (Path(r["file"]).name, int(r["sample_id"]), int(r["turn"]), int(r.get("tree_budget", 0)))
             r["committed_per_step"] = [int(c) for c in r["committed_per_step"]]
         except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"{path}: line {n}: not a `dflash eval --records` line ({e})")
+            raise ValueError(f"{path}: line {n}: not a `dflash eval --records` line ({e})") from None
         if key in out:
-            raise SystemExit(f"{path}: line {n}: prompt {key} appears twice")
+            raise ValueError(f"{path}: line {n}: prompt {key} appears twice")
         out[key] = r
     return out
 
@@ -57,16 +57,16 @@ def paired_counts(a: dict[Key, dict], b: dict[Key, dict], budget: int) -> tuple[
     kb = {k for k in b if k[3] == budget}
     if ka != kb:
         only_a, only_b = sorted(ka - kb)[:3], sorted(kb - ka)[:3]
-        raise SystemExit(f"the two files hold different prompts at budget {budget}: {len(ka - kb)} only in the "
+        raise ValueError(f"the two files hold different prompts at budget {budget}: {len(ka - kb)} only in the "
                          f"first (e.g. {only_a}), {len(kb - ka)} only in the second (e.g. {only_b})")
     if not ka:
-        raise SystemExit(f"no prompts at tree budget {budget}")
+        raise ValueError(f"no prompts at tree budget {budget}")
     keys = sorted(ka)
     rows = []
     for k in keys:
         ta, tb = a[k].get("target_tokens"), b[k].get("target_tokens")
         if ta is not None and tb is not None and ta != tb:
-            raise SystemExit(f"prompt {k}: the target's own output differs between the two runs (another target, "
+            raise ValueError(f"prompt {k}: the target's own output differs between the two runs (another target, "
                              "dtype or --max-new-tokens?): their taus are not comparable")
         ca, cb = a[k]["committed_per_step"], b[k]["committed_per_step"]
         rows.append([sum(ca), len(ca), sum(cb), len(cb)])
@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     names = a.names.split(",")
     if len(names) != 2:
         raise SystemExit("--names: two names, comma-separated")
-    keys, counts = paired_counts(read_records(a.a), read_records(a.b), a.budget)
+    try:
+        keys, counts = paired_counts(read_records(a.a), read_records(a.b), a.budget)
+    except (OSError, ValueError) as e:  # the user's files: one line, no traceback
+        raise SystemExit(str(e)) from None
     res = {"names": names, "files": [a.a, a.b], "budget": a.budget, **compare(counts, boot=a.boot, seed=a.seed)}
     save_json(a.json, res)
     (na, nb), (ta, tb) = names, res["tau"]

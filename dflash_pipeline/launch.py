@@ -85,6 +85,13 @@ def plan_processes(device: str, gpus: str, num_procs: int | None, gpus_per_proce
     return "cuda", use // gpus_per_process
 
 
+def resolve_device(device: str = "auto") -> torch.device:
+    """One process's device from --device: "auto" is CUDA where a GPU is visible, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def process_gpus(proc: Proc, gpus_per_process: int = 1) -> list[int]:
     """The GPUs of this process on its node: consecutive, `gpus_per_process` of them."""
     first = proc.local_rank * gpus_per_process

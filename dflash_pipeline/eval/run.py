@@ -49,7 +49,7 @@ from dflash_pipeline.eval.speculative import (
     Drafter, Generation, TargetLike, speculative_generate, target_generate,
 )
 from dflash_pipeline.eval.tree_decoding import tree_generate
-from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group
+from dflash_pipeline.launch import Proc, bind_device, launch, launched, plan_processes, process_group, resolve_device
 from dflash_pipeline.progress import LiveLine
 from dflash_pipeline.schemas.config import check_gpus
 
@@ -108,9 +108,7 @@ class EvalConfig:
                 raise ValueError(f"eval: unknown device {self.device!r}; use auto, cpu, cuda or cuda:N") from None
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     def torch_dtype(self, device: torch.device | None = None) -> torch.dtype:
         if self.dtype == "auto":
