@@ -17,7 +17,8 @@ it, an ancestor mask, positions by depth, the path compacted afterwards, as tree
 at max(|l[a]|, |l[b]|): quantiles and max, and the smallest TIE_ULPS that covers every position seen.
 Also how many positions have a margin under N ulp (the rule's blind spot at N).
 
-    python bench/tie_rule.py [--target MODEL] [--dtype bf16] [--prompts N] [--new-tokens N] [--split-decode] [--json OUT]
+    python bench/tie_rule.py [--target MODEL] [--dtype bf16] [--prompts N] [--new-tokens N] [--split-decode]
+                             [--compile [MODE]] [--json OUT]
     python bench/tie_rule.py --smoke      # tiny random model, CPU: checks the script
 """
 
@@ -162,6 +163,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--split-decode", action="store_true", help="one-token steps on the split decode kernel, as "
                     "`dflash generate` runs them (speculative decoding does not: this measures why)")
+    ap.add_argument("--compile", nargs="?", const=True, default=False, metavar="MODE",
+                    help="the runner's compiled layers, as `dflash eval --compile` runs them; MODE is torch.compile's "
+                    "mode (e.g. max-autotune-no-cudagraphs: Inductor's own matrix products, whose reductions order "
+                    "sums differently from cuBLAS's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
@@ -194,7 +199,7 @@ def main() -> None:
     t0 = time.time()
     max_len = max(len(p) for p in prompts) + n + 80
     decoded = []
-    with DecodingRunner(model, max_len=max_len, split_decode=a.split_decode) as runner:  # the model attends over the runner's cache here
+    with DecodingRunner(model, max_len=max_len, split_decode=a.split_decode, compile=a.compile) as runner:  # the model attends over the runner's cache here
         kernels, fused_layers = runner.decode_attention, runner.fused_layers
         for i, prompt in enumerate(prompts):
             tokens, top_ids, top_vals = greedy_reference(runner, prompt, n)
@@ -211,7 +216,7 @@ def main() -> None:
     every = [x for v in gaps.values() for x in v]
     need = math.ceil(max(every) - 1e-9)
     out = {"target": label, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "dtype": a.dtype, "decode_attention": kernels,
+           "dtype": a.dtype, "decode_attention": kernels, "compile": a.compile,
            "fused_projection_layers": fused_layers, "torch": torch.__version__, "prompts": len(prompts),
            "new_tokens": n, "positions": len(margins), "tie_ulps_now": TIE_ULPS,
            "margin_gap_ulp": {k: quantiles(v) for k, v in gaps.items()},
