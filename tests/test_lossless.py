@@ -39,6 +39,22 @@ def test_tie_rule_per_dtype():
     assert "exact" in rule_text(torch.float32) and "ulp" in rule_text(bf16)
 
 
+def test_compiled_passes_have_their_own_measured_tolerance():
+    from dflash_pipeline.eval.lossless import TIE_ULPS, TIE_ULPS_COMPILED, tie_ulps_for
+
+    bf16 = torch.bfloat16
+    assert tie_ulps_for(False) == TIE_ULPS == 12 and tie_ulps_for(True) == TIE_ULPS_COMPILED == 16
+    assert not is_tie(21.75, 20.0, bf16) and is_tie(21.75, 20.0, bf16, TIE_ULPS_COMPILED)   # 14 ulp
+    assert is_tie(22.0, 20.0, bf16, 16) and not is_tie(22.125, 20.0, bf16, 16)               # 16: the edge
+    assert not is_tie(5.0, 5.0, torch.float32, 16)                                            # fp32 stays exact
+    assert "<= 16 ulp" in rule_text(bf16, 16) and "<= 12 ulp" in rule_text(bf16)
+    c = check_greedy(3, [5, 9], [5, 7], [9.0, 21.75], [1.0, 20.0], bf16, lambda: ([5, 9], [9.0, 21.75], [1.0, 20.0]),
+                     tie_ulps=16)
+    assert c.failure is None and len(c.ties) == 1 and c.tie_ulps == 16
+    c = check_greedy(3, [5, 9], [5, 7], [9.0, 21.75], [1.0, 20.0], bf16, _never)
+    assert c.failure is not None and c.tie_ulps == 12
+
+
 def _never():
     raise AssertionError("path scores must not be computed without a tie")
 
@@ -157,10 +173,12 @@ PROMPT = [1, 2, 3, 4]
 AT = len(PROMPT) + 5  # logits at position 9 predict generated token 6
 
 
-def _report(dtype, margin):
+def _report(dtype, margin, tie_ulps=None):
     from dflash_pipeline.eval.run import evaluate
 
     target = TwoPassTarget(dtype, margin, AT)
+    if tie_ulps is not None:
+        target.tie_ulps = tie_ulps
     report = evaluate(target, ChainDrafter(), [(7, PROMPT)], max_new_tokens=20, temperature=0.0,
                       stop_ids=frozenset(), warmup=False)
     return report, target
@@ -192,6 +210,37 @@ def test_a_bf16_tie_is_counted_and_decoding_goes_on_along_the_speculative_path(m
     json.dumps(report)
     code, err = _cli_exit(monkeypatch, report)
     assert code == 0 and "error" not in err
+
+
+def test_a_compiled_targets_wider_gap_is_a_tie_and_the_report_says_which_rule(monkeypatch):
+    """14 ulp at 20 (1.75): past the eager passes' 12, within the compiled passes' 16. The target's
+    `tie_ulps` (GraphedTarget: by its compile flag) reaches the check, the rule text and the JSON."""
+    report, _ = _report(torch.bfloat16, 1.75)
+    assert report["lossless"] is False and report["tie_ulps"] == 12 and "<= 12 ulp" in report["lossless_rule"]
+    report, target = _report(torch.bfloat16, 1.75, tie_ulps=16)
+    assert report["lossless"] is True and report["num_tie_divergences"] == 1 and target.teacher_forced == 1
+    assert report["tie_ulps"] == 16 and "<= 16 ulp" in report["lossless_rule"]
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    assert "within 16 ulp" in out.getvalue()
+    assert _report(torch.float32, 0.125, tie_ulps=16)[0]["tie_ulps"] is None     # fp32: exact, no tolerance
+
+
+def test_graphed_target_tolerance_follows_its_compile_flag(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_pipeline.eval import graphed
+
+    class Runner:
+        def __init__(self, *a, **kw):
+            pass
+
+    monkeypatch.setattr(graphed, "DecodingRunner", Runner)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert graphed.GraphedTarget(model, [0], max_len=8, block_size=4).tie_ulps == 12
+    assert graphed.GraphedTarget(model, [0], max_len=8, block_size=4, compile=True).tie_ulps == 16
+    assert graphed.GraphedTarget(model, [0], max_len=8, block_size=4, compile="max-autotune").tie_ulps == 16
 
 
 @pytest.mark.parametrize("dtype, margin", [(torch.bfloat16, 2.0), (torch.float32, 0.125)])

@@ -30,6 +30,7 @@ import torch
 from dflash_pipeline.decoding.drafter import StaticDrafter
 from dflash_pipeline.decoding.runner import DecodingRunner, StepIO
 from dflash_pipeline.decoding.tree import TreeBuilder
+from dflash_pipeline.eval.lossless import tie_ulps_for
 from dflash_pipeline.eval.models import DFlashDraft, Target
 from dflash_pipeline.train.model import DFlashDrafter
 
@@ -42,6 +43,7 @@ class GraphedTarget(Target):
         self.block_size = block_size
         self.runner = DecodingRunner(model, rows=1, max_len=max_len, layer_ids=self.layer_ids, graphs=graphs,
                                      compile=compile)
+        self.tie_ulps = tie_ulps_for(bool(compile))  # compiled passes round elsewhere: a wider measured spread
         self._tree_shapes: set[int] = set()  # verify shapes whose offsets and mask a tree overwrote
         self._tree_builders: dict[tuple[int, int, int], TreeBuilder] = {}
 

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch.nn import functional as F
 
+from dflash_pipeline.eval.lossless import TIE_ULPS
 from dflash_pipeline.eval.rollback import LinearStates, MixerReplay, past_recording_options
 from dflash_pipeline.extract.target import embedding_scale, decoder_layers, text_config
 from dflash_pipeline.method import block_input_ids
@@ -50,6 +51,8 @@ class TargetCache:
 
 class Target:
     """A causal LM decoding at explicit positions with a cache; captures `layer_ids` outputs on request."""
+
+    tie_ulps = TIE_ULPS  # the lossless check's tie tolerance for this target's passes (eval/lossless.py)
 
     def __init__(self, model, layer_ids: Sequence[int] = ()):
         self.model = model

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dflash_pipeline.eval.lossless import TIE_ULPS, Divergence, LosslessCheck, rule_text
+from dflash_pipeline.eval.lossless import TIE_ULPS, Divergence, LosslessCheck, is_exact_dtype, rule_text
 from dflash_pipeline.eval.prompts import Prompt, file_labels
 from dflash_pipeline.eval.speculative import Generation
 
@@ -86,9 +86,11 @@ def losslessness(results: list[PromptResult], *, temperature: float, dtype: torc
     checked = temperature == 0 and bool(results) and all(r.check is not None for r in results)
     failed = [r for r in results if checked and r.check.failure is not None]
     ties = [divergence_dict(r, d) for r in results if checked for d in r.check.ties]
+    ulps = max((r.check.tie_ulps for r in results), default=TIE_ULPS) if checked else None
     return {
         "lossless": (not failed) if checked else None,
-        "lossless_rule": rule_text(dtype) if checked else None,
+        "lossless_rule": rule_text(dtype, ulps) if checked else None,
+        "tie_ulps": None if not checked or is_exact_dtype(dtype) else ulps,
         "mismatches": [r.prompt.sample_id for r in failed],
         "mismatch_details": [divergence_dict(r, r.check.failure) for r in failed],
         "num_tie_divergences": len(ties),
@@ -171,7 +173,7 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def summary_line(report: dict[str, Any]) -> str:
     lossless, ties = report["lossless"], report.get("num_tie_divergences", 0)
-    tie_note = (f"; {ties} tie divergence(s) (top-2 margin within {TIE_ULPS} ulp of {report['dtype']}), "
+    tie_note = (f"; {ties} tie divergence(s) (top-2 margin within {report.get('tie_ulps') or TIE_ULPS} ulp of {report['dtype']}), "
                 f"not failures" if ties else "")
     check = {True: "lossless (equal to the target's greedy output)" + tie_note,
              False: f"NOT LOSSLESS: {len(report['mismatches'])} of {report['prompts']} prompts differ from the "

@@ -41,7 +41,7 @@ from dflash_pipeline.decoding.tree import check_tree_target
 from dflash_pipeline.train.export import load_drafter, read_drafter_config
 from dflash_pipeline.errors import DFlashError
 from dflash_pipeline.eval.graphed import GraphedDraft, GraphedTarget
-from dflash_pipeline.eval.lossless import check_greedy, teacher_forcing
+from dflash_pipeline.eval.lossless import TIE_ULPS, check_greedy, teacher_forcing
 from dflash_pipeline.eval.models import DFlashDraft, Target, stop_token_ids
 from dflash_pipeline.eval.prompts import Prompt, as_prompt, load_prompts
 from dflash_pipeline.eval.report import PromptResult, add_step_times, prompt_record, summarize, sweep_report
@@ -187,7 +187,8 @@ def decode_prompt(target: TargetLike, drafter: Drafter, prompt: Prompt, index: i
         check = None
         if temperature == 0:
             check = check_greedy(prompt.sample_id, spec.tokens, base.tokens, base.top1, base.top2, target.dtype,
-                                 lambda: teacher_forcing(target, prompt.ids, spec.tokens))
+                                 lambda: teacher_forcing(target, prompt.ids, spec.tokens),
+                                 tie_ulps=getattr(target, "tie_ulps", TIE_ULPS))
         out.append(PromptResult(prompt, spec, base, check, budget))
     return out
 

@@ -120,6 +120,7 @@ class TargetLike(Protocol):
 
     device: torch.device
     dtype: torch.dtype  # the target's compute dtype (the lossless rule depends on it)
+    tie_ulps: int       # and the tie tolerance of its passes (eval/lossless.tie_ulps_for)
 
     def new_cache(self): ...
 
