@@ -757,8 +757,10 @@ def test_every_recipe_is_a_train_command_line_dflash_accepts(tmp_path, monkeypat
         assert res.exit_code == 0, (recipe, res.output)
         cfg = seen.pop("cfg")
         assert cfg.optim.steps == 10
-        if recipe == "kl15-cap-noise-a64x4-b999":
+        if recipe in ("kl15-cap-noise-a64x4-b999", "kl15-cap-noise-a64x4"):   # 0.999: the default since 2026-12-07
             assert cfg.optim.betas == (0.9, 0.999) and cfg.loss.kl_weight == 0.15
+        if recipe == "kl15-cap-noise-a64x4-b95":
+            assert cfg.optim.betas == (0.9, 0.95) and cfg.to_dict()["max_anchors"] == 64
         if recipe == "ce-a64x4":
             assert (cfg.loss.kl_weight, cfg.loss.cap_weight, cfg.loss.feature_noise) == (0.0, 0.0, 0.0)
-            assert cfg.to_dict()["max_anchors"] == 64 and cfg.optim.betas == (0.9, 0.95)
+            assert cfg.to_dict()["max_anchors"] == 64 and cfg.optim.betas == (0.9, 0.999)

@@ -178,22 +178,27 @@ def test_resume_refuses_changed_config_or_store(tiny_store, tmp_path):
 
 
 def test_adam_beta2_reaches_the_optimizer_and_decides_a_resume(tiny_store, tmp_path):
-    """--adam-beta2: left to its default the run is the one with 0.95 given, byte for byte; 0.999 (SpecForge's)
-    trains other weights; a resume with another beta2 is refused, while a checkpoint written before the option
-    existed (no adam_beta2 in its config) resumes as the default; outside (0, 1) it is refused."""
+    """--adam-beta2: left to its default the run is the one with 0.999 given, byte for byte, and its config
+    names the value; 0.95 (the default before) trains other weights; a resume with another beta2 is refused,
+    and a checkpoint whose config does not name beta2 (written before 0.999 became the default) resumes only
+    as what it was trained with, 0.95; outside (0, 1) it is refused."""
     runs = {name: tmp_path / name for name in ("default", "b95", "b999")}
     for name, beta2 in (("default", None), ("b95", 0.95), ("b999", 0.999)):
         run_train(_cfg(tiny_store, runs[name], steps=3, adam_beta2=beta2))
     weights = {n: (d / "final" / "model.safetensors").read_bytes() for n, d in runs.items()}
-    assert weights["default"] == weights["b95"] != weights["b999"]
+    assert weights["default"] == weights["b999"] != weights["b95"]
+    assert json.loads((runs["default"] / "config.json").read_text())["train"]["adam_beta2"] == 0.999
 
     run = tmp_path / "resumed"
     run_train(_cfg(tiny_store, run, steps=4, stop_after=2))
-    with pytest.raises(ConfigMismatchError, match="adam_beta2: checkpoint has the default, this run has 0.999"):
-        run_train(_cfg(tiny_store, run, steps=4, adam_beta2=0.999, resume=True))
+    with pytest.raises(ConfigMismatchError, match="adam_beta2: checkpoint has 0.999, this run has 0.95"):
+        run_train(_cfg(tiny_store, run, steps=4, adam_beta2=0.95, resume=True))
     cfg = _cfg(tiny_store, run, steps=4)
-    older = {k: v for k, v in cfg.to_dict().items() if k != "adam_beta2"}
-    assert cfg.resume_diff(older) == [] and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.optim.betas == (0.9, 0.999)
+    for older in ({k: v for k, v in cfg.to_dict().items() if k != "adam_beta2"}, {**cfg.to_dict(), "adam_beta2": None}):
+        assert cfg.resume_diff(older) == ["adam_beta2: checkpoint has 0.95, this run has 0.999"]
+        assert _cfg(tiny_store, run, steps=4, adam_beta2=0.95).resume_diff(older) == []
+        assert TrainConfig.from_dict(older).optim.betas == (0.9, 0.95)
     with pytest.raises(ValueError, match="--adam-beta2 must be in"):
         _cfg(tiny_store, run, adam_beta2=1.0)
 

@@ -134,9 +134,11 @@ class LossConfig:
         return DEFAULT_KL_WEIGHT if store_topk > 0 else 0.0
 
 
-# AdamW's moment decays: beta2 0.95, the usual choice for transformers trained at scale, over torch's 0.999,
-# which SpecForge's DFlash trainer keeps. bench/quality.py's recipe kl15-cap-noise-a64x4-b999 measures the two.
-ADAM_BETA1, DEFAULT_ADAM_BETA2 = 0.9, 0.95
+# AdamW's moment decays. beta2 is torch's 0.999 (SpecForge's DFlash trainer keeps it too): at 1,500 steps of
+# the default recipe on the real SmolLM2 it trained a drafter 1.022x the real tau of 0.95's (paired 95%
+# 1.011-1.033, BENCHMARKS.md, 2026-12-07), 0.95 having been the default before. A run whose config does not
+# name beta2 was written by a version with that earlier default, and resumes as LEGACY_ADAM_BETA2.
+ADAM_BETA1, DEFAULT_ADAM_BETA2, LEGACY_ADAM_BETA2 = 0.9, 0.999, 0.95
 
 
 @dataclass
@@ -149,7 +151,7 @@ class OptimConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
-    adam_beta2: float | None = None      # AdamW's second-moment decay; None: DEFAULT_ADAM_BETA2
+    adam_beta2: float | None = None      # AdamW's second-moment decay; None: DEFAULT_ADAM_BETA2 (recorded as such)
     grad_clip: float = 1.0
     grad_accum: int = 1
     ema: float | None = None
@@ -171,11 +173,13 @@ class OptimConfig:
             raise ValueError("--warmup-ratio must be in [0, 1)")
         if self.adam_beta2 is not None and not 0 < self.adam_beta2 < 1:
             raise ValueError("--adam-beta2 must be in (0, 1), e.g. 0.95 or 0.999")
+        if self.adam_beta2 is None:  # resolved, so that config.json and checkpoints name the value used
+            self.adam_beta2 = DEFAULT_ADAM_BETA2
 
     @property
     def betas(self) -> tuple[float, float]:
         """AdamW's (beta1, beta2)."""
-        return ADAM_BETA1, DEFAULT_ADAM_BETA2 if self.adam_beta2 is None else self.adam_beta2
+        return ADAM_BETA1, self.adam_beta2
 
 
 @dataclass
@@ -269,6 +273,14 @@ _SECTIONS = {"model": ModelConfig, "loss": LossConfig, "optim": OptimConfig, "da
 _OWNER = {f.name: name for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
+def _with_legacy_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved flat config with the options whose default has changed since filled in as they were then:
+    adam_beta2, left unnamed (None or absent) before 0.999 became the default, was 0.95."""
+    if saved.get("adam_beta2") is None:
+        saved = {**saved, "adam_beta2": LEGACY_ADAM_BETA2}
+    return saved
+
+
 @dataclass(init=False)
 class TrainConfig:
     """`dflash train`: store -> drafter, as sections owned by the components they configure.
@@ -321,12 +333,12 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        return cls(**d)
+        return cls(**_with_legacy_defaults(d))
 
     def resume_diff(self, saved: dict[str, Any]) -> list[str]:
         """The options, among those that decide the computation, whose value differs from `saved` (a
         checkpoint's flat config), each as one readable clause."""
-        now = self.to_dict()
+        now, saved = self.to_dict(), _with_legacy_defaults(saved)
         keys = [k for k in now if k == "seed" or _OWNER[k] in self.COMPUTATION]
         def shown(v):  # None is an option left to its default (e.g. --kl-weight, decided by the store)
             return "the default" if v is None else repr(v)

@@ -77,7 +77,7 @@ def check_resume(saved_state: dict[str, Any], cfg, store_fp: str) -> None:
     if saved_state.get("store_fingerprint") != store_fp:
         diff.insert(0, "store: its content differs from the one the run started with")
     if diff:
-        raise ConfigMismatchError("cannot resume: " + "; ".join(diff))
+        raise ConfigMismatchError("cannot resume: " + "; ".join(diff) + " (give the checkpoint's values to resume it)")
 
 
 def export_checkpoint(path: str, out: str, *, use_ema: bool = True, dtype: str = "bf16") -> Path:
