@@ -23,8 +23,9 @@ from typing import Any, Callable, Sequence
 
 OK, SKIPPED, FAILED, STOPPED, NOT_STARTED, BLOCKED = "ok", "done before", "failed", "stopped at deadline", \
     "not started (deadline)", "blocked (a dependency did not finish)"
+UNFINISHED = "ended unfinished"  # exit 0 while its `done` check fails: e.g. `dflash train` stopped by a signal
 WAITING, RUNNING = "", "running"
-_ENDED_BADLY = (FAILED, STOPPED, NOT_STARTED, BLOCKED)
+_ENDED_BADLY = (FAILED, STOPPED, NOT_STARTED, BLOCKED, UNFINISHED)
 
 
 @dataclass
@@ -106,6 +107,10 @@ def run_jobs(jobs: list[Job], limits: dict[str, int], *, deadline: float | None 
                     say(f"[{j.name}] after the job: {e!r}")
             if j.status != STOPPED:
                 j.status = OK if rc in j.ok_codes else FAILED
+                # `dflash train` checkpoints on SIGTERM and exits 0 (resumable): signalled from outside the
+                # runner, its evals must not start on a drafter that was never exported (2026-12-07)
+                if j.status == OK and j.done is not None and not j.done():
+                    j.status = UNFINISHED
             say(f"[{j.name}] {j.status} (rc {rc}) in {j.seconds:.0f}s")
         for j in jobs:
             if j.status == WAITING and any(by_name[a].status in _ENDED_BADLY for a in j.after):

@@ -97,7 +97,7 @@ def _py(code: str) -> list[str]:
 
 
 def test_job_runner_order_dependencies_deadline_and_resume(tmp_path):
-    from quality_jobs import BLOCKED, FAILED, NOT_STARTED, OK, SKIPPED, STOPPED, Job, run_jobs
+    from quality_jobs import BLOCKED, FAILED, NOT_STARTED, OK, SKIPPED, STOPPED, UNFINISHED, Job, run_jobs
 
     trace = tmp_path / "trace"
 
@@ -125,6 +125,17 @@ def test_job_runner_order_dependencies_deadline_and_resume(tmp_path):
                   {"train": 1}, deadline=time.time() + 1.0, say=lambda m: None, grace=5, poll=0.05)
     assert st["slow"]["status"] == STOPPED and st["late"]["status"] in (NOT_STARTED, BLOCKED)
     assert time.time() - t < 10
+
+    # A job that exits 0 without its `done` check passing (a training signalled from outside checkpoints and
+    # exits 0) ended unfinished: what needs it does not start; the same exit with `done` passing is ok.
+    finished = tmp_path / "finished"
+    st = run_jobs([Job("train", _py("pass"), done=finished.exists),
+                   Job("eval", stamp("eval"), after=("train",)),
+                   Job("train2", _py(f"open({str(finished)!r}, 'w')"), done=finished.exists),
+                   Job("eval2", stamp("eval2"), after=("train2",))],
+                  {"train": 1}, say=lambda m: None, poll=0.05)
+    assert st["train"]["status"] == UNFINISHED and st["train"]["rc"] == 0 and st["eval"]["status"] == BLOCKED
+    assert st["train2"]["status"] == OK and st["eval2"]["status"] == OK
 
 
 def test_first_exchange_selection():
