@@ -126,7 +126,7 @@ def _time_mode(mode, cfg, reader, dcfg, frozen, runner, topk, dev, warmup, steps
     drafter = DFlashDrafter(dcfg, DrafterOptions(compile_kernels=None if cfg.runtime.compile else False))
     init_drafter_weights(drafter, generator=torch.Generator().manual_seed(cfg.seed))
     drafter.to(dev)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, betas=(0.9, 0.95), weight_decay=optim.weight_decay,
+    opt = torch.optim.AdamW(drafter.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
                             fused=cuda)
     # Online, the loader's features are replaced: let it decode one layer, not all of them.
     layers = dcfg.target_layer_ids[:1] if mode == "online" else dcfg.target_layer_ids
