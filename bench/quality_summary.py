@@ -66,7 +66,7 @@ def run_row(b, name: str) -> dict[str, Any]:
         row["epochs"] = (s.get("step") or 0) / max(cfg.get("steps_per_epoch") or 1, 1)
     except (OSError, ValueError, KeyError):
         pass
-    for prompt_set, temps in (("chat", b.plan.temperatures), ("code", (0.0,))):
+    for prompt_set, temps in (("chat", b.plan.temperatures), ("code", (0.0,)), ("math", (0.0,))):
         for t in temps:
             e = read_eval(b.eval_file(name, prompt_set, t))
             if e is not None:
@@ -105,7 +105,7 @@ def _recipe_rows(b, names: list[str]) -> list[list[Any]]:
             settings = f"store {r.get('store', '-')}"
         out.append([n, settings, _f(r.get("acc1"), ".3f"), _f(r.get("tau_est")),
                     _f(r.get("tau_chat_T0")), _f(r.get("est_over_real")), _f(r.get("tau_chat_T1")),
-                    _f(r.get("tau_code_T0")), _f(r.get("speedup_alone")), _lossless(r),
+                    _f(r.get("tau_code_T0")), _f(r.get("tau_math_T0")), _f(r.get("speedup_alone")), _lossless(r),
                     _f(r.get("train_tok_s"), ",.0f")])
     return out
 
@@ -173,7 +173,7 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
     rec["best"] = best
     recipe_names = [n for n in RECIPES if (b.run_dir(n) / "summary.json").exists()]
     head = ["run", "settings", "held-out acc slot 1", "held-out tau (est.)", "real tau chat T=0", "est/real",
-            "real tau chat T=1", "real tau code T=0", "speedup (alone)", "lossless", "train tok/s"]
+            "real tau chat T=1", "real tau code T=0", "real tau math T=0", "speedup (alone)", "lossless", "train tok/s"]
     trained_on = sorted({r.get("store") for r in b.read("recipes").get("runs", [])} - {None}) or ["regen-bf16"]
     where = "the regenerated bf16 store" if trained_on == ["regen-bf16"] else f"store {', '.join(trained_on)}"
     metas = [b.run_dir(n) / "quality-run.json" for n in recipe_names]

@@ -388,7 +388,7 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
             b.eval_file(name, prompt_set, float(t)).write_text(json.dumps({"tau": tau, "lossless": True,
                                                                             "speedup": 1.2}))
 
-    run("ce", "regen-bf16", 3.6, {"chat@0": 3.0, "chat@1": 2.5})
+    run("ce", "regen-bf16", 3.6, {"chat@0": 3.0, "chat@1": 2.5, "code@0": 2.25, "math@0": 2.75})
     run("kl15", "regen-bf16", 2.2, {"chat@0": 2.0})
     run("ce@orig", "orig-bf16", 1.5, {"chat@0": 1.5})
     run("ce@fp8", "regen-fp8", 3.5, {"chat@0": 2.97})
@@ -409,7 +409,7 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     assert goals["fp8 within 2% of bf16 tau"]["met"] and goals["fp8 within 2% of bf16 tau"]["value"] == pytest.approx(0.01)
     est = goals["held-out estimate within 10% of real tau (recipes, worst)"]
     assert est["value"] == pytest.approx(1.2) and not est["met"]
-    assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 |" in md
+    assert "| ce | CE, gamma 7 | 0.800 | 3.60 | 3.00 | 1.20 | 2.50 | 2.25 | 2.75 |" in md   # ... code, math
     assert "| ce@orig | store orig-bf16 |" in md
     # a recipe store in fp8: the ratio takes the original replies' fp8 run where there is one (like for like)
     run("ce@orig8", "orig-fp8", 1.2, {"chat@0": 1.25})
@@ -423,6 +423,40 @@ def test_summary_tables_and_goals_from_result_files(tmp_path):
     md, _ = build_summary(b)
     assert "40000 user turns of the embedded ShareGPT train split, each asked afresh" in md
     assert "first exchanges" not in md
+
+
+def test_math_prompts_come_from_the_champ_package_and_get_their_evals(tmp_path, monkeypatch):
+    """Part `inputs` writes CHAMP's problems (read from the installed package's data file, in identifier
+    order) as `dflash eval` prompts; the eval jobs then measure each drafter on them at T=0, as on code."""
+    import quality
+    from quality_data import MATH_INSTRUCTION, write_math_prompts
+
+    pkg = tmp_path / "site" / "champ_dataset"
+    (pkg / "dataset_files").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "dataset_files" / "v0.json").write_text(json.dumps({"problems": {
+        "P_Sequence_2": {"_text": "Find a_5.", "category": "Sequence"},
+        "P_Combinatorics_10": {"_text": "How many more?", "category": "Combinatorics"},
+        "P_Combinatorics_2": {"_text": "How many pairs?", "category": "Combinatorics"},
+        "P_Combinatorics_1": {"_text": "How many strings?", "category": "Combinatorics"}}, "concepts": {}}))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    import importlib
+
+    importlib.invalidate_caches()
+    out = tmp_path / "prompts-math.jsonl"
+    rec = write_math_prompts(out)
+    assert rec["prompts"] == 4 and rec["categories"] == {"Combinatorics": 3, "Sequence": 1} and "CHAMP" in rec["source"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]   # categories in turn, numbers in order
+    assert [r["id"] for r in rows] == ["P_Combinatorics_1", "P_Sequence_2", "P_Combinatorics_2", "P_Combinatorics_10"]
+    assert rows[0]["prompt"] == MATH_INSTRUCTION + "How many strings?"
+
+    b = quality.Bench(str(tmp_path / "q"), None, quality.SMOKE, smoke=True)
+    assert not any("math" in j.name for j in b.eval_jobs("ce"))        # no math prompts, no math evals
+    b.data("prompts-math.jsonl").write_text(out.read_text())
+    (math,) = [j for j in b.eval_jobs("ce") if "math" in j.name]
+    assert math.name == "ce__math__T0"
+    assert math.cmd[math.cmd.index("--prompts") + 1] == str(b.data("prompts-math.jsonl"))
+    assert math.cmd[math.cmd.index("--num-prompts") + 1] == str(quality.SMOKE.math_prompts)
 
 
 def test_summary_says_unmeasured_goals_are_unmeasured(tmp_path):
