@@ -23,8 +23,8 @@ weights, clipping, warmup + cosine). What is ours is only the plumbing around th
   drafter (`tests/test_quality.py` checks that the converted drafter drafts what SpecForge's does).
 
 Differences that stay SpecForge's own (reported in the result): bf16 weights with fp32 masters instead
-of autocast over fp32 weights; cosine to 0 (ours to
-`min_lr_ratio`, 0 by default); Qwen3's own initialisation; its anchors drawn on the device.
+of autocast over fp32 weights; its anchors drawn on the device. (Its AdamW beta2, 0.999, is our default
+too since 2026-12-07; its cosine to 0 and Qwen3-style initialisation are ours by default as well.)
 
 Legend: R rows, S row length, n samples of a batch, T longest sample, F = L*H features, V vocab, H hidden.
 """
@@ -273,8 +273,7 @@ def train_specforge(*, store: str, out: str | Path, steps: int, block_size: int 
                "objective_chunk_blocks": {"min": min(chunks_used, default=None),
                                           "max": max(chunks_used, default=None),
                                           "logits_budget_gib": logits_budget_gib},
-               "differences": {"weights": "bf16 with fp32 masters (BF16Optimizer)", "adam_betas": [0.9, 0.999],  # ours too since 2026-12-07
-                               "init": "Qwen3 _init_weights", "anchors": "drawn on the device"}}
+               "differences": {"weights": "bf16 with fp32 masters (BF16Optimizer)", "anchors": "drawn on the device"}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     line.done(f"SpecForge trained {step} steps in {seconds:.0f}s; held-out tau_chain {res['tau_chain']:.2f}")
     return summary
