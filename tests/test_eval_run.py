@@ -472,3 +472,66 @@ def test_trees_are_refused_in_one_line_where_they_cannot_run(monkeypatch):
     for bad, why in (("16,16", "distinct budgets >= 0"), ("-4", "distinct budgets >= 0"), ("x", "comma-separated")):
         res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--tree-budget", bad])
         assert res.exit_code == 2 and why in res.stderr and res.stderr.count("\n") == 1, bad
+
+
+def test_compile_mode_reaches_the_config_and_unknown_modes_are_refused(monkeypatch):
+    """`--compile-mode max-autotune-no-cudagraphs` implies --compile and keeps the mode for the target's steps;
+    `default` is plain --compile; modes that capture CUDA graphs of their own (inside the steps' graphs) or
+    misspelt ones are one line and exit 2, before anything loads."""
+    from typer.testing import CliRunner
+
+    from dflash_pipeline.cli import app
+    from dflash_pipeline.eval import run
+
+    seen = []
+    monkeypatch.setattr(run, "run_eval", lambda cfg, progress=None: seen.append(cfg) or {})
+    for args, want in (([], False), (["--compile"], True), (["--compile-mode", "default"], True),
+                       (["--compile-mode", "max-autotune-no-cudagraphs"], "max-autotune-no-cudagraphs")):
+        res = CliRunner().invoke(app, ["eval", "--drafter", "d", *args])
+        assert res.exit_code == 0, res.output
+        assert seen[-1].compile == want and seen[-1].to_dict()["compile"] == want
+    for bad in ("reduce-overhead", "max-autotune", "fast"):
+        res = CliRunner().invoke(app, ["eval", "--drafter", "d", "--compile-mode", bad])
+        assert res.exit_code == 2 and "--compile-mode must be one of default, max-autotune-no-cudagraphs" in res.stderr
+        assert "Traceback" not in res.output
+
+
+def test_a_compile_mode_goes_to_the_target_runner_and_the_drafter_compiles_plainly(monkeypatch):
+    """The mode is torch.compile's for the target's decoder layers (their matrix products); the drafter's
+    steps take the fused elementwise kernels only (a bool); the target's tie tolerance is the compiled one."""
+    import types
+
+    from dflash_pipeline.decoding import runner as runner_mod
+    from dflash_pipeline.eval import graphed
+    from dflash_pipeline.eval import run as run_mod
+
+    made = {}
+
+    class FakeRunner:
+        graphs = False
+
+        def __init__(self, model, **kw):
+            made["target"] = kw["compile"]
+
+        def prepare(self, qs):
+            return 0
+
+    class FakeDraft:
+        def __init__(self, model, target, **kw):
+            made["drafter"] = kw["compile"]
+
+    monkeypatch.setattr(graphed, "DecodingRunner", FakeRunner)
+    monkeypatch.setattr(run_mod, "GraphedDraft", FakeDraft)
+    monkeypatch.setattr(runner_mod, "unsupported_reason", lambda model: None)
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(target_layer_ids=[0], block_size=4))
+    said = io.StringIO()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    for mode, want_drafter in (("max-autotune-no-cudagraphs", True), ("default", True)):
+        cfg = run_mod.EvalConfig(drafter="d", compile=mode, max_new_tokens=8)
+        target, _ = run_mod.make_participants(model, drafter, [(0, [1, 2, 3])], cfg,
+                                              LiveLine(stream=said))
+        assert made["target"] == cfg.compile and made["drafter"] is want_drafter and target.tie_ulps == 16
+    assert "in mode max-autotune-no-cudagraphs, its matrix products autotuned" in said.getvalue()

@@ -37,7 +37,7 @@ from dflash_pipeline.train.model import DFlashDrafter
 
 class GraphedTarget(Target):
     def __init__(self, model, layer_ids: Sequence[int], *, max_len: int, block_size: int, graphs: bool | None = None,
-                 compile: bool = False):
+                 compile: bool | str = False):
         super().__init__(model)  # no hooks of its own: the runner captures the features
         self.layer_ids = [int(k) for k in layer_ids]
         self.block_size = block_size

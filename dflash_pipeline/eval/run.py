@@ -56,6 +56,13 @@ from dflash_pipeline.schemas.config import check_gpus
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# torch.compile modes `--compile-mode` takes. max-autotune-no-cudagraphs: Inductor's Triton matrix-product
+# templates compete with cuBLAS per shape (1.09x faster 8B decode steps on an H100; minutes of autotuning at the
+# start), within the compiled tie rule (at most 12 ulp over 2,048 positions of the real SmolLM2, BENCHMARKS.md).
+# The reduce-overhead and max-autotune modes capture CUDA graphs of their own: the steps are captured already.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class EvalConfig:
     drafter: str                           # exported drafter folder (config.json + model.safetensors)
@@ -72,7 +79,8 @@ class EvalConfig:
     gpus: str = "all"                      # "all" or how many GPUs (one process each)
     num_procs: int | None = None           # CPU only: processes (tests of the multi-process path)
     records: str | None = None             # a JSONL file: one line per prompt, tokens included
-    compile: bool = False                  # torch.compile the graphed steps (fused elementwise kernels)
+    compile: bool | str = False            # torch.compile the graphed steps (fused elementwise kernels); a str
+                                           # is its mode: COMPILE_MODES
     chat_template_kwargs: dict[str, Any] | str | None = None  # prompts' chat-template variables, as for extract
     tree_budget: list[int] | int = 0       # nodes per verified tree, one or several (0: the chain)
     json: bool = False                     # print the report as JSON instead of tables
@@ -98,6 +106,11 @@ class EvalConfig:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"eval: dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         check_gpus(self.gpus)
+        if isinstance(self.compile, str):
+            if self.compile not in COMPILE_MODES:
+                raise ValueError(f"eval: --compile-mode must be one of {', '.join(COMPILE_MODES)} (modes with CUDA "
+                                 f"graphs of their own would capture inside the steps' graphs), got {self.compile!r}")
+            self.compile = True if self.compile == "default" else self.compile
         self.tree_budget = [int(self.tree_budget)] if isinstance(self.tree_budget, int) else list(self.tree_budget)
         if not self.tree_budget or min(self.tree_budget) < 0 or len(set(self.tree_budget)) != len(self.tree_budget):
             raise ValueError(f"eval: --tree-budget takes distinct budgets >= 0 (0: the chain), got {self.tree_budget}")
@@ -295,13 +308,15 @@ def make_participants(model, drafter_model, prompts: Sequence, cfg: EvalConfig, 
     # A round writes at most max(B, N + 1) slots past the committed tokens.
     max_len = max(len(as_prompt(p).ids) for p in prompts) + cfg.max_new_tokens + max([block, *(b + 1 for b in trees)])
     if cfg.compile:
-        progress.say("compiling the decode, verify and drafter steps at their first calls (a minute or more)")
+        tuned = f" in mode {cfg.compile}, its matrix products autotuned (minutes)" if isinstance(cfg.compile, str) else ""
+        progress.say(f"compiling the decode, verify and drafter steps{tuned} before the first prompt (a minute or more)")
     target = GraphedTarget(model, layer_ids, max_len=max_len, block_size=block, compile=cfg.compile)
     graphs = target.runner.prepare((1, block, *(b + 1 for b in trees)))  # none is built later, in a timed prompt
     if target.runner.graphs:
         what = "decode, verify and tree verify" if trees else "decode and verify"
         progress.say(f"captured {graphs} CUDA graphs of the {what} steps")
-    return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=cfg.compile)
+    # the drafter's steps: its elementwise chains fused (a mode is the target's: the drafter is a few layers)
+    return target, GraphedDraft(drafter_model, target, max_len=max_len, block_size=block, compile=bool(cfg.compile))
 
 
 # ---------------------------------------------------------------- processes
