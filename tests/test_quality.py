@@ -555,6 +555,22 @@ def test_recipes_train_on_the_store_asked_for(tmp_path, monkeypatch):
     assert "## Recipes on store regen-fp8, " in md
 
 
+def test_summary_names_the_runs_store_while_part_recipes_still_runs(tmp_path):
+    """A summary packed while part `recipes` still runs (no part record yet: its evals are going) names the
+    store each run recorded at its start, not the bf16 default (an fp8 run read "bf16 store" on 2026-12-07)."""
+    import quality
+    from quality_summary import build_summary
+
+    b = quality.Bench(str(tmp_path), None, quality.SMOKE, smoke=False)
+    run = b.run_dir("kl15-cap-noise-a64x4")
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"finished": True}))
+    (run / "quality-run.json").write_text(json.dumps({"recipe": "kl15-cap-noise-a64x4", "store": "regen-fp8",
+                                                      "steps": 750, "part": "recipes", "init_from": None}))
+    md, _ = build_summary(b)
+    assert "## Recipes on store regen-fp8, " in md and "regenerated bf16 store" not in md
+
+
 def test_curve_trains_the_best_recipe_on_the_recipe_store_at_the_lengths_asked_for(tmp_path, monkeypatch):
     """--curve 0.25,0.5 --best kl15-cap-noise-a64x4 --recipe-store regen-fp8: part `curve` trains that recipe at a
     quarter and half of --steps, each its own schedule, on the store the recipes' run read, and evaluates both;
