@@ -18,7 +18,9 @@
 #           the 17 MB of `--turns each --n 40000`: carry .m1 .whl here and .qinputs with .m2 in call 2)
 #   call 2  carry .m2        bash bench/quality_gpu.sh setup
 #   call 3  carry .m3        bash bench/quality_gpu.sh run data stores   (with .qregen, below: carry .m3 .qregen
-#           and run `bash bench/quality_gpu.sh setup && bash bench/quality_gpu.sh run data stores`)
+#           and run `bash bench/quality_gpu.sh setup && bash bench/quality_gpu.sh run data stores`; where .m3 (30 MiB),
+#           .qregen (25 MiB for 40,000 replies) and the tracked files (13 MiB since 2026-12-07) pass the 64 MiB
+#           together, carry .qregen alone in a `setup` call of its own before it)
 #   call 4                   bash bench/quality_gpu.sh run recipes
 #   call 5                   bash bench/quality_gpu.sh run variants curve
 #   call 6                   bash bench/quality_gpu.sh run specforge online summary
