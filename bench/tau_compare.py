@@ -12,7 +12,7 @@ Per-prompt wins, losses and ties (per-prompt tau) are counted beside it.
 At T = 0 both runs decode every prompt to the target's own greedy output, so the paired prompts produced the
 same text; where their target tokens differ (another target, dtype or length), the pairing is refused.
 
-    python bench/tau_compare.py A.records.jsonl B.records.jsonl [--names A,B] [--json OUT] [--budget 0]
+    python bench/tau_compare.py A.records.jsonl B.records.jsonl [--names A,B] [--json OUT] [--budget 0] [--common]
 """
 
 from __future__ import annotations
@@ -51,10 +51,17 @@ def read_records(path: str | Path) -> dict[Key, dict[str, Any]]:
     return out
 
 
-def paired_counts(a: dict[Key, dict], b: dict[Key, dict], budget: int) -> tuple[list[Key], np.ndarray]:
-    """The prompts both files hold at `budget`, and per prompt [committed A, steps A, committed B, steps B]."""
+def paired_counts(a: dict[Key, dict], b: dict[Key, dict], budget: int,
+                  common: bool = False) -> tuple[list[Key], np.ndarray]:
+    """The prompts both files hold at `budget`, and per prompt [committed A, steps A, committed B, steps B].
+    Files of other prompt sets are refused, unless `common`: then the prompts both hold (an eval of the first
+    40 prompts against one of 80), refused still where they share none."""
     ka = {k for k in a if k[3] == budget}
     kb = {k for k in b if k[3] == budget}
+    if common:
+        if ka and kb and not ka & kb:
+            raise ValueError(f"the two files share no prompt at budget {budget}")
+        ka = kb = ka & kb
     if ka != kb:
         only_a, only_b = sorted(ka - kb)[:3], sorted(kb - ka)[:3]
         raise ValueError(f"the two files hold different prompts at budget {budget}: {len(ka - kb)} only in the "
@@ -105,16 +112,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", type=int, default=0, help="the tree budget to compare (0: the chain)")
     ap.add_argument("--boot", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--common", action="store_true", help="pair the prompts both files hold (e.g. the first 40 "
+                    "prompts of an 80-prompt eval); without it files of other prompt sets are refused")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     names = a.names.split(",")
     if len(names) != 2:
         raise SystemExit("--names: two names, comma-separated")
     try:
-        keys, counts = paired_counts(read_records(a.a), read_records(a.b), a.budget)
+        keys, counts = paired_counts(read_records(a.a), read_records(a.b), a.budget, common=a.common)
     except (OSError, ValueError) as e:  # the user's files: one line, no traceback
         raise SystemExit(str(e)) from None
-    res = {"names": names, "files": [a.a, a.b], "budget": a.budget, **compare(counts, boot=a.boot, seed=a.seed)}
+    res = {"names": names, "files": [a.a, a.b], "budget": a.budget, "common": a.common,
+           **compare(counts, boot=a.boot, seed=a.seed)}
     save_json(a.json, res)
     (na, nb), (ta, tb) = names, res["tau"]
     lo, hi = res["ratio_ci95"]

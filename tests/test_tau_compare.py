@@ -109,3 +109,21 @@ def test_command_line_prints_and_writes_json(tmp_path):
     rec = json.loads((tmp_path / "c.json").read_text())
     assert rec["names"] == ["ours", "theirs"] and rec["prompts"] == 10 and rec["budget"] == 0
     assert f"theirs/ours {rec['ratio']:.3f}" in out.stdout
+
+
+def test_common_pairs_the_prompts_both_files_hold(tmp_path):
+    """--common: an eval of the first prompts against a longer one pairs their shared prompts (the same numbers
+    as the longer file cut to them); files that share no prompt are still refused in one line."""
+    rng = random.Random(3)
+    a = [_result(i, _steps(rng, 20, 0.5)) for i in range(8)]
+    b = [_result(i, _steps(rng, 20, 0.7)) for i in range(8)]
+    fa, fb_first = _write(tmp_path / "a.jsonl", a), _write(tmp_path / "b5.jsonl", b[:5])
+    keys, counts = tau_compare.paired_counts(tau_compare.read_records(fa), tau_compare.read_records(fb_first), 0,
+                                             common=True)
+    want_keys, want = tau_compare.paired_counts(tau_compare.read_records(_write(tmp_path / "a5.jsonl", a[:5])),
+                                                tau_compare.read_records(fb_first), 0)
+    assert keys == want_keys and len(keys) == 5 and np.array_equal(counts, want)
+    apart = _write(tmp_path / "apart.jsonl", [_result(i, [2, 1]) for i in range(10, 12)])
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "tau_compare.py"), fa, apart, "--common"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "share no prompt" in out.stderr and "Traceback" not in out.stderr
