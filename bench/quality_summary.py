@@ -174,13 +174,13 @@ def build_summary(b) -> tuple[str, dict[str, Any]]:
     recipe_names = [n for n in RECIPES if (b.run_dir(n) / "summary.json").exists()]
     head = ["run", "settings", "held-out acc slot 1", "held-out tau (est.)", "real tau chat T=0", "est/real",
             "real tau chat T=1", "real tau code T=0", "real tau math T=0", "speedup (alone)", "lossless", "train tok/s"]
-    metas = [b.run_dir(n) / "quality-run.json" for n in recipe_names]
+    metas = [json.loads(m.read_text()) for m in (b.run_dir(n) / "quality-run.json" for n in recipe_names) if m.exists()]
     # the part's record lists its runs once the part has ended; each run's own record from its start (a summary
     # packed while the part still runs read "bf16" for an fp8 run, 2026-12-07)
     trained_on = sorted(({r.get("store") for r in b.read("recipes").get("runs", [])}
-                         | {json.loads(m.read_text()).get("store") for m in metas if m.exists()}) - {None}) or ["regen-bf16"]
+                         | {m.get("store") for m in metas}) - {None}) or ["regen-bf16"]
     where = "the regenerated bf16 store" if trained_on == ["regen-bf16"] else f"store {', '.join(trained_on)}"
-    inits = sorted({json.loads(m.read_text()).get("init_from") for m in metas if m.exists()} - {None})
+    inits = sorted({m.get("init_from") for m in metas} - {None})
     if inits:  # runs that trained on from a drafter an earlier session returned
         where += f", each continued from {', '.join(Path(i).name for i in inits)} (`--init-from`)"
     out += [f"## Recipes on {where}, {steps} steps each (best: {best})",
